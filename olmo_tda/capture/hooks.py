@@ -1,0 +1,296 @@
+"""GradientCapture: per-example projected gradients of nn.Linear layers from any ``backward()`` loop.
+
+Shapes (legend): B examples in a forward, T tokens per example (all dims between the first and the
+last are flattened into T), I/O layer input/output width, Ki/Ko projected widths.
+
+The hot path, per selected Linear and forward call:
+  forward hook  : ``acts_BTKi = P_in a``   (fp32, autocast off) and a tensor hook on the output
+  tensor hook   : ``grads_BTKo = P_out g`` then ``Ĝ_BKoKi = grads_BTKoᵀ @ acts_BTKi`` added to the record
+Nothing else happens on the step: de-scaling by ``loss_scale``, concatenation over micro-batches and
+finiteness checks happen once per record, lazily, off the hooks.
+
+Why a tensor hook on the output and not ``register_full_backward_hook``: the latter breaks when the
+Linear's output is modified in place (OLMo's ``clip_qkv`` clamp); a tensor hook registered before
+the in-place op receives the gradient w.r.t. the pre-modification value, which is what we need.
+Each forward call captures its own activations in the hook's closure, so a Linear used twice in one
+forward adds both contributions; activation checkpointing recomputes a forward whose hooks either
+are the only ones that fire (re-entrant: the first forward runs under no_grad and is skipped) or
+never fire (non-reentrant: the recomputed outputs are not in the backward graph).
+
+Example::
+
+    cap = GradientCapture(model, CaptureConfig(proj_dim=64, seed=0))
+    loss = model(x).sum() / x.shape[0]
+    with cap.record(ids, loss_scale=x.shape[0]) as rec:
+        loss.backward()
+    grads = rec.dense()          # {name: [len(ids), 64, 64]}
+    cap.remove()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import re
+from functools import partial
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import CaptureConfig, to_plain
+from .projection import Projector, make_projector, specs_hash
+
+__all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name"]
+
+log = logging.getLogger(__name__)
+
+# Wrapper segments that DDP / FSDP / activation checkpointing / torch.compile insert into module
+# names. Projector seeds derive from names, so a layer must have the same name however it is wrapped.
+_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(module|_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+def canonical_name(name: str) -> str:
+    """Module name with wrapper segments removed: ``module.blocks.0._fsdp_wrapped_module.ff_out``
+    → ``blocks.0.ff_out``."""
+    return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
+
+
+class CaptureError(RuntimeError):
+    """Capture was used in a way that cannot give correct gradients; the message says how to fix it."""
+
+
+class Recording:
+    """Per-example gradients collected during one ``with cap.record(ids, loss_scale)`` block.
+
+    Rows follow forward order: with gradient accumulation (several forward/backward pairs inside one
+    block) ``ids`` lists the examples of every micro-batch, in the order the forwards ran.
+    """
+
+    def __init__(self, capture: "GradientCapture", ids: Any, loss_scale: float):
+        self.ids = _as_ids(ids)
+        self.loss_scale = float(loss_scale)
+        self._capture = capture
+        self._parts: dict[int, dict[str, torch.Tensor]] = {}   # forward id -> name -> [B, Ko, Ki]
+        self._dense: dict[str, torch.Tensor] | None = None
+
+    def _add(self, forward_id: int, name: str, grad_BKoKi: torch.Tensor) -> None:
+        part = self._parts.setdefault(forward_id, {})
+        if name in part:
+            part[name] += grad_BKoKi      # the layer ran more than once in this forward
+        else:
+            part[name] = grad_BKoKi
+
+    @property
+    def num_backward_rows(self) -> int:
+        return sum(_part_rows(p) for p in self._parts.values())
+
+    def dense(self) -> dict[str, torch.Tensor]:
+        """``{name: [len(ids), Ko, Ki]}`` float32: gradients of each example's summed token loss."""
+        if self._dense is None:
+            self._dense = self._assemble()
+        return self._dense
+
+    def _assemble(self) -> dict[str, torch.Tensor]:
+        shapes = self._capture.layer_shapes
+        parts = [self._parts[f] for f in sorted(self._parts)]
+        rows = [_part_rows(p) for p in parts]
+        if sum(rows) != len(self.ids):
+            raise CaptureError(
+                f"record got {len(self.ids)} ids but the backward pass(es) carried {sum(rows)} examples "
+                f"(per forward: {rows}). Pass the ids of every example whose loss was backpropagated, "
+                "in forward order; was a forward run with capture paused or under no_grad?")
+        out = {}
+        for name, (k_out, k_in) in shapes.items():
+            chunks = []
+            for part, n in zip(parts, rows):
+                g = part.get(name)
+                chunks.append(g if g is not None else torch.zeros(n, k_out, k_in, device=self._device(part)))
+            dense = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            if self.loss_scale != 1.0:
+                dense.mul_(self.loss_scale)   # undo the loop's normalization once, off the hooks
+            out[name] = dense
+        return out
+
+    @staticmethod
+    def _device(part: dict[str, torch.Tensor]) -> torch.device:
+        return next(iter(part.values())).device
+
+    def to_record(self, step: int, lr: float):
+        """The store's unit: a :class:`~olmo_tda.store.record.GradientRecord` of this block."""
+        from ..store.record import GradientRecord  # store sits below capture in the pipeline
+        return GradientRecord(ids=self.ids, step=step, lr=lr, loss_scale=self.loss_scale, grads=self.dense())
+
+
+def _part_rows(part: dict[str, torch.Tensor]) -> int:
+    return next(iter(part.values())).shape[0] if part else 0
+
+
+def _as_ids(ids: Any) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+class GradientCapture:
+    """Owns the hooks on a model's selected ``nn.Linear`` layers and turns backward passes into
+    per-example projected gradients.
+
+    Args:
+        model: the (possibly DDP/FSDP-wrapped) model. Layers are named canonically, wrappers removed.
+        config: which layers and which projection; ``proj_dim=0`` captures exact gradients.
+        enabled: False registers nothing at all (zero hooks, zero overhead).
+    """
+
+    def __init__(self, model: nn.Module, config: CaptureConfig | None = None, *, enabled: bool = True):
+        self.config = config or CaptureConfig()
+        self.config.validate()
+        self.model = model
+        self.enabled = enabled
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._paused = False
+        self._active: Recording | None = None
+        self._forward_id = 0
+        self._warned_unrecorded = False
+        self.modules: dict[str, nn.Linear] = self._select(model) if enabled else {}
+        self._with_bias = {n: self.config.include_bias and m.bias is not None for n, m in self.modules.items()}
+        k = self.config.proj_dims
+        self.projectors: dict[str, Projector] = {
+            name: make_projector(name, m.out_features, m.in_features + self._with_bias[name], k,
+                                 self.config.proj_type, self.config.seed)
+            for name, m in self.modules.items()
+        }
+        if enabled:
+            self._attach()
+
+    # -- selection and hooks -------------------------------------------------------------------
+
+    def _select(self, model: nn.Module) -> dict[str, nn.Linear]:
+        linears = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        chosen = {n: m for n, m in linears.items()
+                  if any(fnmatch.fnmatchcase(n, p) for p in self.config.modules)
+                  and not any(fnmatch.fnmatchcase(n, p) for p in self.config.exclude)}
+        if not chosen:
+            raise CaptureError(
+                f"capture.modules={self.config.modules} exclude={self.config.exclude} selects no nn.Linear; "
+                f"the model's Linear layers are: {sorted(linears)[:20]}{' ...' if len(linears) > 20 else ''}")
+        return chosen
+
+    def _attach(self) -> None:
+        try:
+            self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
+            for name, module in self.modules.items():
+                self._handles.append(module.register_forward_hook(partial(self._on_forward, name)))
+        except BaseException:
+            self.remove()
+            raise
+
+    def _on_model_forward(self, module: nn.Module, args: Any) -> None:
+        self._forward_id += 1
+
+    def _on_forward(self, name: str, module: nn.Linear, inputs: tuple, output: torch.Tensor) -> None:
+        if self._paused or not torch.is_grad_enabled() or not output.requires_grad:
+            return
+        acts = inputs[0].detach()
+        proj = self.projectors[name].to(acts.device)
+        with torch.autocast(acts.device.type, enabled=False):
+            acts_BTKi = proj.project_in(acts.reshape(acts.shape[0], -1, acts.shape[-1]).float(),
+                                        self._with_bias[name])
+        output.register_hook(partial(self._on_grad, name, self._forward_id, acts_BTKi))
+
+    def _on_grad(self, name: str, forward_id: int, acts_BTKi: torch.Tensor, grad: torch.Tensor) -> None:
+        rec = self._active
+        if rec is None:
+            if not self._warned_unrecorded:
+                log.warning("a backward pass reached captured layers outside `with capture.record(...)`; "
+                            "its gradients are ignored")
+                self._warned_unrecorded = True
+            return
+        proj = self.projectors[name]
+        with torch.autocast(grad.device.type, enabled=False):
+            grads_BTKo = proj.project_out(grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float())
+            rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
+
+    # -- public API ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def record(self, ids: Sequence[int] | np.ndarray | torch.Tensor, *, loss_scale: float = 1.0
+               ) -> Iterator[Recording]:
+        """Collect the per-example gradients of the backward passes run inside the block.
+
+        Args:
+            ids: global ids of the examples whose losses are backpropagated, in forward order
+                (all micro-batches, when the block spans several backward calls).
+            loss_scale: the divisor the loop applied to the summed token loss (e.g. OLMo's tokens in
+                the device batch, DeepSpeed's B·GAS, times an fp16 loss scale); it is undone so the
+                stored gradient is that of each example's summed token loss.
+        """
+        if not self.enabled:
+            raise CaptureError("this GradientCapture was built with enabled=False; it records nothing")
+        if self._active is not None:
+            raise CaptureError("capture.record(...) blocks cannot be nested")
+        if not (loss_scale > 0 and np.isfinite(loss_scale)):
+            raise CaptureError(f"loss_scale must be a positive finite number, got {loss_scale!r}")
+        rec = Recording(self, ids, loss_scale)
+        self._active = rec
+        try:
+            yield rec
+        finally:
+            self._active = None
+
+    def pause(self) -> contextlib.AbstractContextManager:
+        """Stop capturing until :meth:`resume` (or the end of a ``with cap.pause():`` block)."""
+        previous, self._paused = self._paused, True
+        cap = self
+
+        class _Resume(contextlib.AbstractContextManager):
+            def __exit__(self, *exc: Any) -> None:
+                cap._paused = previous
+
+        return _Resume()
+
+    def resume(self) -> None:
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def remove(self) -> None:
+        """Remove every hook this object registered. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.enabled = False
+
+    def __enter__(self) -> "GradientCapture":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    @property
+    def num_hooks(self) -> int:
+        return len(self._handles)
+
+    @property
+    def layer_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{name: (k_out, k_in)}`` of the stored per-example gradient of each layer."""
+        return {n: (p.k_out, p.k_in) for n, p in self.projectors.items()}
+
+    def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(P_out [Ko, O], P_in [Ki, I(+1)])`` of a layer; the bias column, if captured, is last."""
+        return self.projectors[name].matrices()
+
+    def store_metadata(self) -> dict[str, Any]:
+        """What a store needs to describe (and later verify) this capture's gradients."""
+        specs = {n: p.spec() for n, p in self.projectors.items()}
+        return {
+            "capture": to_plain(self.config),
+            "layers": [{"name": n, "shape": list(self.layer_shapes[n]), "bias": self._with_bias[n],
+                        "projector": specs[n]} for n in self.projectors],
+            "projector_hash": specs_hash(specs),
+        }
+

@@ -1,0 +1,176 @@
+"""Seeded Kronecker projectors: ``Ĝ = P_out G P_inᵀ`` with the same matrices everywhere.
+
+A projector maps one Linear layer's per-token input ``a`` (width ``n_in``) and output gradient ``g``
+(width ``n_out``) to ``k_in`` and ``k_out`` wide factors. Random projectors are generated on the CPU
+from ``(seed, module name, side)`` alone, so every rank, device, process and checkpoint builds
+bit-identical matrices. Entries are scaled by ``1/√k`` so ``E[PᵀP] = I`` and projected inner
+products are unbiased estimates of the exact ones.
+
+A projector is an object with its own state (``spec()`` describes it, ``matrices()`` returns it) so
+that data-aware projectors (e.g. a KFAC eigenbasis estimated from data) can be added by registering
+a new class, without touching the hooks.
+
+Example::
+
+    from olmo_tda.capture.projection import make_projector
+    proj = make_projector("blocks.0.att_proj", n_out=192, n_in=64, k=(16, 16), kind="gaussian", seed=0)
+    a_TK = proj.project_in(torch.randn(10, 64))    # [10, 16]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..config import ProjectionType
+
+__all__ = ["Projector", "IdentityProjector", "RandomProjector", "make_projector", "register_projector",
+           "projector_seed", "specs_hash"]
+
+
+class Projector(Protocol):
+    """Maps a layer's input rows ``[..., n_in]`` and output-gradient rows ``[..., n_out]`` to k-wide rows.
+
+    ``n_in`` counts the bias column when the layer's bias is captured: ``project_in`` receives the
+    raw input (without the column) and adds the bias term itself, so no concatenation is needed.
+    """
+
+    k_out: int
+    k_in: int
+
+    def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor: ...
+    def project_out(self, grads: torch.Tensor) -> torch.Tensor: ...
+    def matrices(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def spec(self) -> dict[str, Any]: ...
+    def to(self, device: torch.device) -> "Projector": ...
+
+
+def projector_seed(seed: int, name: str, side: str) -> int:
+    """A 63-bit generator seed derived from (seed, module name, side); stable across processes."""
+    digest = hashlib.sha256(f"olmo_tda/{seed}/{name}/{side}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class IdentityProjector:
+    """``proj_dim=0``: exact, unprojected gradients (k_out = n_out, k_in = n_in [+1 for bias])."""
+
+    def __init__(self, name: str, n_out: int, n_in: int):
+        self.name, self.k_out, self.k_in = name, n_out, n_in
+
+    def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        if not with_bias:
+            return acts
+        ones = torch.ones(*acts.shape[:-1], 1, dtype=acts.dtype, device=acts.device)
+        return torch.cat([acts, ones], dim=-1)
+
+    def project_out(self, grads: torch.Tensor) -> torch.Tensor:
+        return grads
+
+    def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.eye(self.k_out), torch.eye(self.k_in)
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "identity", "shape": [self.k_out, self.k_in]}
+
+    def to(self, device: torch.device) -> "IdentityProjector":
+        return self
+
+
+class RandomProjector:
+    """Random projector drawn on CPU from a per-(layer, side) seed.
+
+    Gaussian/Rademacher entries are scaled by 1/√k. Orthogonal rows are the first k columns of a
+    Haar-random orthogonal matrix (QR of a Gaussian in float64, signs fixed by R's diagonal, then
+    rounded to float32) scaled by √(n/k), so ``E[PᵀP] = I`` as well, with lower variance. A side
+    with ``k >= n`` is the identity (exact): projecting up can only add noise and bytes.
+    """
+
+    def __init__(self, name: str, n_out: int, n_in: int, k_out: int, k_in: int,
+                 kind: ProjectionType, seed: int):
+        self.name, self.kind, self.seed = name, ProjectionType(kind), seed
+        self.k_out, self.k_in, self.n_out, self.n_in = min(k_out, n_out), min(k_in, n_in), n_out, n_in
+        self.proj_out_KO = self._draw(k_out, n_out, "out")   # [k_out, n_out]
+        self.proj_in_KI = self._draw(k_in, n_in, "in")       # [k_in, n_in] (last column: bias)
+        self._bind(torch.device("cpu"))
+
+    def _draw(self, k: int, n: int, side: str) -> torch.Tensor:
+        if k >= n:
+            return torch.eye(n)
+        gen = torch.Generator(device="cpu").manual_seed(projector_seed(self.seed, self.name, side))
+        if self.kind is ProjectionType.ORTHOGONAL:
+            q, r = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+            q *= torch.sign(torch.diagonal(r)).masked_fill_(torch.diagonal(r) == 0, 1.0)
+            return (q.T * (n / k) ** 0.5).to(torch.float32).contiguous()
+        if self.kind is ProjectionType.GAUSSIAN:
+            mat = torch.randn(k, n, generator=gen, dtype=torch.float32)
+        else:
+            mat = torch.randint(0, 2, (k, n), generator=gen).to(torch.float32).mul_(2).sub_(1)
+        return mat.div_(k ** 0.5)
+
+    def _bind(self, device: torch.device) -> None:
+        # Transposed, contiguous copies on the compute device so the hot path is one plain matmul.
+        self._out_T = self.proj_out_KO.t().contiguous().to(device)        # [n_out, k_out]
+        self._in_T = self.proj_in_KI.t().contiguous().to(device)          # [n_in, k_in]
+        self._in_T_nobias = self._in_T[: self.n_in - 1] if self.n_in > 0 else self._in_T
+        self._bias_row = self._in_T[-1]
+
+    def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        if not with_bias:
+            return acts @ self._in_T
+        # [a, 1] @ P_inᵀ == a @ P_inᵀ[:-1] + P_inᵀ[-1]: no concatenated copy of the activations.
+        return torch.addmm(self._bias_row, acts.reshape(-1, acts.shape[-1]), self._in_T_nobias
+                           ).reshape(*acts.shape[:-1], self.k_in)
+
+    def project_out(self, grads: torch.Tensor) -> torch.Tensor:
+        return grads @ self._out_T
+
+    def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.proj_out_KO, self.proj_in_KI
+
+    def spec(self) -> dict[str, Any]:
+        # the digest makes a store refuse matrices that differ in any bit (e.g. another LAPACK's QR)
+        digest = hashlib.sha256(self.proj_out_KO.numpy().tobytes() + self.proj_in_KI.numpy().tobytes())
+        return {"kind": self.kind.value, "seed": self.seed, "shape": [self.k_out, self.k_in],
+                "layer_shape": [self.n_out, self.n_in], "digest": digest.hexdigest()[:16]}
+
+    def to(self, device: torch.device) -> "RandomProjector":
+        if self._out_T.device != device:
+            self._bind(device)
+        return self
+
+
+ProjectorFactory = Callable[..., Projector]
+_REGISTRY: dict[str, ProjectorFactory] = {}
+
+
+def register_projector(kind: str, factory: ProjectorFactory) -> None:
+    """Register a projector class under ``kind`` (called as ``factory(name, n_out, n_in, k, seed)``)."""
+    _REGISTRY[kind] = factory
+
+
+for _kind in ProjectionType:
+    register_projector(_kind.value, lambda name, n_out, n_in, k, seed, _k=_kind:
+                       RandomProjector(name, n_out, n_in, k[0], k[1], _k, seed))
+
+
+def make_projector(name: str, n_out: int, n_in: int, k: tuple[int, int], kind: ProjectionType | str,
+                   seed: int) -> Projector:
+    """The projector for one layer; ``k == (0, 0)`` gives the exact (identity) projector.
+
+    ``n_in`` includes the bias column when the bias is captured.
+    """
+    if k == (0, 0):
+        return IdentityProjector(name, n_out, n_in)
+    kind = kind.value if isinstance(kind, ProjectionType) else str(kind)
+    if kind not in _REGISTRY:
+        raise ValueError(f"unknown projector kind {kind!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[kind](name, n_out, n_in, k, seed)
+
+
+def specs_hash(specs: dict[str, dict[str, Any]]) -> str:
+    """A short stable hash of all layers' projector specs (what a store checks on append/read)."""
+    text = json.dumps(specs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

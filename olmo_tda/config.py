@@ -1,0 +1,299 @@
+"""The ``tda:`` configuration section: typed, strict, self-explaining.
+
+Users meet these dataclasses as the ``tda:`` section of a training YAML (or a plain dict) and as
+dotted command-line overrides (``capture.proj_dim=32``). Loading is strict: an unknown key, a value
+of the wrong type or one out of range raises :class:`ConfigError` naming the full key path and, for
+a misspelt key, the closest valid one.
+
+Example::
+
+    from olmo_tda.config import TDAConfig
+    cfg = TDAConfig.from_dict({"enabled": True, "capture": {"proj_dim": 32}})
+    cfg = TDAConfig.from_yaml("run.yaml", overrides=["store.dtype=float16"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ProjectionType",
+    "StoreDType",
+    "CaptureConfig",
+    "StoreConfig",
+    "TDAConfig",
+    "parse_config",
+    "apply_overrides",
+    "to_plain",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or out of range; the message names the key path."""
+
+
+class ProjectionType(str, enum.Enum):
+    """How the seeded Kronecker projectors are drawn (all scaled so that ``E[PᵀP] = I``)."""
+
+    ORTHOGONAL = "orthogonal"
+    """Haar-random orthonormal rows scaled by √(n/k): unbiased like Gaussian, much lower variance."""
+    GAUSSIAN = "gaussian"
+    RADEMACHER = "rademacher"
+
+
+class StoreDType(str, enum.Enum):
+    """On-disk dtype of stored gradients (bfloat16 is kept as raw 16-bit words; HDF5 has no bf16)."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+def _check(ok: bool, path: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {message}")
+
+
+@dataclass(kw_only=True)
+class CaptureConfig:
+    """What is captured: which Linear layers, projected how."""
+
+    proj_dim: int | tuple[int, int] = 64
+    """Projection width per side: ``k`` (both sides) or ``(k_out, k_in)``. 0 = exact, unprojected."""
+    proj_type: ProjectionType = ProjectionType.ORTHOGONAL
+    """Distribution of projector entries; all are scaled so projected inner products are unbiased.
+    A side whose width is <= k is kept exact (identity): a wider random map only adds noise."""
+    seed: int = 0
+    """Projector seed. Matrices derive from (seed, module name, side): identical on every rank."""
+    modules: list[str] = field(default_factory=lambda: ["*"])
+    """fnmatch patterns on module names (``model.named_modules()``) selecting nn.Linear layers."""
+    exclude: list[str] = field(default_factory=list)
+    """fnmatch patterns removed from the selection (e.g. ``"*ff_out"`` for an untied output head)."""
+    include_bias: bool = True
+    """Capture a layer's bias gradient as one extra input column (only for layers with a bias)."""
+
+    def validate(self, path: str = "capture") -> None:
+        dims = self.proj_dims
+        _check(all(d >= 0 for d in dims), f"{path}.proj_dim", f"must be >= 0, got {self.proj_dim!r}")
+        _check((dims[0] == 0) == (dims[1] == 0), f"{path}.proj_dim",
+               f"either both sides are projected or neither (0 = exact), got {self.proj_dim!r}")
+        _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
+        _check(len(self.modules) > 0, f"{path}.modules", "needs at least one pattern ('*' = all)")
+
+    @property
+    def proj_dims(self) -> tuple[int, int]:
+        """``(k_out, k_in)``."""
+        if isinstance(self.proj_dim, int):
+            return (self.proj_dim, self.proj_dim)
+        return (int(self.proj_dim[0]), int(self.proj_dim[1]))
+
+    @property
+    def exact(self) -> bool:
+        return self.proj_dims == (0, 0)
+
+
+@dataclass(kw_only=True)
+class StoreConfig:
+    """Where and how captured gradients are written."""
+
+    path: str | None = None
+    """Store directory. In a training run it defaults to ``<save_folder>/tda/store``."""
+    dtype: StoreDType = StoreDType.FLOAT32
+    """On-disk dtype of gradients. Rankings barely move in 16 bits (see docs/BENCHMARKS.md)."""
+    flush_every: int = 32
+    """Training steps per shard. A crash loses at most this window of unflushed steps."""
+    queue_size: int = 8
+    """Records the background writer may hold before the training step waits (back-pressure)."""
+    compression: str | None = None
+    """HDF5 filter for gradient datasets (``None`` or ``"lzf"``/``"gzip"``); off by default for speed."""
+
+    def validate(self, path: str = "store") -> None:
+        _check(self.flush_every >= 1, f"{path}.flush_every", f"must be >= 1, got {self.flush_every}")
+        _check(self.queue_size >= 1, f"{path}.queue_size", f"must be >= 1, got {self.queue_size}")
+        _check(self.compression in (None, "lzf", "gzip"), f"{path}.compression",
+               f"must be null, 'lzf' or 'gzip', got {self.compression!r}")
+
+
+@dataclass(kw_only=True)
+class TDAConfig:
+    """The whole ``tda:`` section. ``enabled: true`` is the one flag that switches TDA on."""
+
+    enabled: bool = False
+    """Master switch. False means no hooks, no threads, no files: the run is the plain run."""
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def validate(self, path: str = "tda") -> None:
+        self.capture.validate(f"{path}.capture")
+        self.store.validate(f"{path}.store")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, path: str = "tda") -> "TDAConfig":
+        return parse_config(cls, data or {}, path=path)
+
+    @classmethod
+    def from_yaml(cls, file: str | Path, *, overrides: list[str] | None = None,
+                  section: str | None = "tda") -> "TDAConfig":
+        """Load from a YAML file; with ``section``, read that top-level key (the ``tda:`` section)."""
+        try:
+            raw = yaml.safe_load(Path(file).read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{file}: not valid YAML: {e}") from None
+        if raw is None:
+            raw = {}
+        _check(isinstance(raw, dict), str(file), f"expected a mapping at top level, got {type(raw).__name__}")
+        if section is not None:
+            raw = raw.get(section) or {}
+            _check(isinstance(raw, dict), section, f"expected a mapping, got {type(raw).__name__}")
+        data = apply_overrides(raw, overrides or [], path=section or "tda")
+        return cls.from_dict(data, path=section or "tda")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON/YAML-safe dict (enums as strings, tuples as lists)."""
+        return to_plain(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# strict parsing
+
+
+def parse_config(cls: type, data: Any, *, path: str) -> Any:
+    """Build dataclass ``cls`` from ``data`` strictly, then run its ``validate``."""
+    obj = _parse_value(cls, data, path)
+    obj.validate(path)
+    return obj
+
+
+def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    _check(isinstance(data, dict), path, f"expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"{path}.{key}: unknown key{hint}")
+        kwargs[key] = _parse_value(hints[key], value, f"{path}.{key}")
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _parse_value(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _parse_dataclass(tp, value, path)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            _check(type(None) in options, path, "must not be null")
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _parse_value(option, value, path)
+            except ConfigError as e:
+                errors.append(str(e).split(": ", 1)[-1])
+        raise ConfigError(f"{path}: {value!r} matches none of: " + "; ".join(errors))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        valid = [m.value for m in tp]
+        if isinstance(value, tp):
+            return value
+        if value not in valid:
+            close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{path}: {value!r} is not one of {valid}{hint}")
+        return tp(value)
+    if origin in (list, tuple):
+        args = typing.get_args(tp)
+        _check(isinstance(value, (list, tuple)), path, f"expected a list, got {type(value).__name__} {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            _check(len(value) == len(args), path, f"expected {len(args)} items, got {len(value)}")
+            return tuple(_parse_value(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        items = [_parse_value(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is Any:
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), path, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), path,
+               f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), path,
+               f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, str), path, f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported config type {_type_name(tp)}")  # a bug in our dataclasses
+
+
+def to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# dotted overrides
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], *, path: str = "tda") -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars/lists) to a copy of ``data``.
+
+    A leading ``--`` and a leading ``tda.`` are accepted, so ``--tda.capture.proj_dim=32`` works.
+    """
+    out = _deepcopy(data)
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. capture.proj_dim=32")
+        key, raw = text.split("=", 1)
+        if key.startswith(path + "."):
+            key = key[len(path) + 1:]
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {path}.{part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deepcopy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deepcopy(v) for v in data]
+    return data

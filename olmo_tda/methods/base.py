@@ -1,0 +1,151 @@
+"""One interface for attribution methods, a registry by name, and the streaming top-k driver.
+
+A method turns query gradients into a query state once (``prepare``), then scores blocks of
+training gradients streamed from a store (``score_block``), so memory is bounded by the block size
+and the number of queries, never by the store. Shapes: Q queries, n rows in a block, D_l the
+flattened width of layer l, k the top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["AttributionMethod", "AttributionResult", "register_method", "get_method", "available_methods",
+           "attribute"]
+
+
+class AttributionMethod(Protocol):
+    """Scores training rows against queries; implementations are registered by name."""
+
+    name: str
+
+    def prepare(self, queries: dict[str, torch.Tensor]) -> Any:
+        """Query state from ``{layer: [Q, Ko, Ki]}`` (computed once, reused for every block)."""
+
+    def score_block(self, state: Any, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[Q, n]`` scores of a block ``{layer: [n, Ko, Ki]}``."""
+
+
+_METHODS: dict[str, type] = {}
+
+
+def register_method(cls: type) -> type:
+    """Class decorator: make a method available by its ``name`` to :func:`attribute` and the CLI."""
+    _METHODS[cls.name] = cls
+    return cls
+
+
+def available_methods() -> list[str]:
+    return sorted(_METHODS)
+
+
+def get_method(name: str, **options: Any) -> AttributionMethod:
+    if name not in _METHODS:
+        raise ValueError(f"unknown attribution method {name!r}; available: {', '.join(available_methods())}")
+    return _METHODS[name](**options)
+
+
+@dataclass
+class AttributionResult:
+    """Top-k training rows per query (rows are (example id, step) pairs), best first."""
+
+    method: str
+    layers: list[str]
+    scores: torch.Tensor             # [Q, k] float64
+    ids: np.ndarray                  # [Q, k] int64 (-1 where the store had fewer than k rows)
+    steps: np.ndarray                # [Q, k] int64
+    num_scored: int = 0              # training rows scored
+    all_scores: torch.Tensor | None = None   # [Q, N] when requested
+    all_ids: np.ndarray | None = None        # [N]
+    all_steps: np.ndarray | None = None      # [N]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def as_dicts(self) -> list[list[dict[str, Any]]]:
+        """Per query: ``[{"index", "step", "score"}, ...]`` (JSON-ready)."""
+        out = []
+        for q in range(self.scores.shape[0]):
+            out.append([{"index": int(i), "step": int(s), "score": float(v)}
+                        for i, s, v in zip(self.ids[q], self.steps[q], self.scores[q]) if i >= 0])
+        return out
+
+
+def _as_queries(queries: Any) -> dict[str, torch.Tensor]:
+    if hasattr(queries, "dense"):
+        queries = queries.dense()
+    if not isinstance(queries, dict) or not queries:
+        raise TypeError("queries must be a Recording or a non-empty {layer: Tensor[Q, Ko, Ki]} dict")
+    sizes = {q.shape[0] for q in queries.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"query gradients disagree on the number of queries: {sorted(sizes)}")
+    return {name: q.detach().to("cpu", torch.float32) for name, q in queries.items()}
+
+
+def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "graddot", top_k: int = 10,
+              layers: Iterable[str] | None = None, block_size: int = 1024, return_scores: bool = False,
+              **method_options: Any) -> AttributionResult:
+    """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query.
+
+    Args:
+        store: a store path or an open store (anything with ``layers`` and ``iter_blocks``).
+        queries: a :class:`~olmo_tda.capture.Recording` or ``{layer: [Q, Ko, Ki]}``, captured with the
+            same projectors as the store (same capture config).
+        method: a registered name (``graddot``, ``gradcos``, ...) or a method object.
+        layers: restrict scoring to these layers (default: every layer present in both).
+        block_size: training rows per streamed block; memory is O(Q·(top_k + block_size)).
+        return_scores: also return the full ``[Q, N]`` score matrix (memory O(Q·N)).
+    """
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if isinstance(store, (str, Path)):
+        from ..store import GradientStore
+        store = GradientStore.open(store)
+    queries = _as_queries(queries)
+    chosen = list(layers) if layers is not None else [n for n in store.layers if n in queries]
+    missing = [n for n in chosen if n not in queries or n not in store.layers]
+    if missing or not chosen:
+        raise ValueError(f"layers {missing or chosen} are not in both the store ({len(store.layers)} layers) "
+                         f"and the queries ({sorted(queries)[:5]}...)")
+    shapes = getattr(store, "layer_shapes", None)
+    for name in chosen:
+        want = tuple(shapes[name]) if shapes else None
+        if want is not None and tuple(queries[name].shape[1:]) != want:
+            raise ValueError(f"query gradient of {name} has shape {tuple(queries[name].shape[1:])}, the store "
+                             f"holds {want}: were the queries captured with the store's capture config?")
+    algo = get_method(method, **method_options) if isinstance(method, str) else method
+    state = algo.prepare({n: queries[n] for n in chosen})
+    num_q = next(iter(queries.values())).shape[0]
+
+    best_scores = torch.full((num_q, 0), -torch.inf, dtype=torch.float64)
+    best_ids = np.zeros((num_q, 0), dtype=np.int64)
+    best_steps = np.zeros((num_q, 0), dtype=np.int64)
+    kept_scores, kept_ids, kept_steps = [], [], []
+    num_rows = 0
+    for block in store.iter_blocks(layers=chosen, block_size=block_size):
+        scores = algo.score_block(state, block.grads).to(torch.float64)        # [Q, n]
+        ids_n = np.asarray(block.ids, dtype=np.int64)
+        steps_n = np.asarray(block.steps, dtype=np.int64)
+        num_rows += len(ids_n)
+        if return_scores:
+            kept_scores.append(scores)
+            kept_ids.append(ids_n)
+            kept_steps.append(steps_n)
+        merged = torch.cat([best_scores, scores], dim=1)
+        merged_ids = np.concatenate([best_ids, np.broadcast_to(ids_n, (num_q, len(ids_n)))], axis=1)
+        merged_steps = np.concatenate([best_steps, np.broadcast_to(steps_n, (num_q, len(steps_n)))], axis=1)
+        k = min(top_k, merged.shape[1])
+        best_scores, idx = torch.topk(merged, k, dim=1)
+        best_ids = np.take_along_axis(merged_ids, idx.numpy(), axis=1)
+        best_steps = np.take_along_axis(merged_steps, idx.numpy(), axis=1)
+
+    result = AttributionResult(method=algo.name, layers=chosen, scores=best_scores, ids=best_ids,
+                               steps=best_steps, num_scored=num_rows, info=getattr(algo, "info", {}))
+    if return_scores:
+        result.all_scores = torch.cat(kept_scores, dim=1) if kept_scores else torch.zeros(num_q, 0)
+        result.all_ids = np.concatenate(kept_ids) if kept_ids else np.zeros(0, np.int64)
+        result.all_steps = np.concatenate(kept_steps) if kept_steps else np.zeros(0, np.int64)
+    return result

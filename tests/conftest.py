@@ -1,0 +1,77 @@
+"""Shared oracles and tiny models for the tests.
+
+Ground truth is always computed independently of the code under test: per-example gradients from
+``torch.func.vmap(grad(...))`` over ``functional_call``; capture is compared against it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+# functorch warns that SDPA has no batching rule (a slow fallback); irrelevant at test sizes.
+warnings.filterwarnings("ignore", message=".*batching rule.*")
+
+
+def tiny_olmo(**overrides):
+    """A tiny ``olmo.model.OLMo`` (d_model 64, 2 layers), dropout off so gradients are deterministic."""
+    from olmo.config import ModelConfig
+    from olmo.model import OLMo
+
+    cfg = dict(d_model=64, n_heads=4, n_layers=2, mlp_ratio=4, vocab_size=96, embedding_size=96,
+               max_sequence_length=32, attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0,
+               init_device="cpu", weight_tying=False, include_bias=False)
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = OLMo(ModelConfig(**cfg))
+    model.reset_parameters()
+    return model
+
+
+def token_losses(logits, input_ids, label_mask=None):
+    """Per-example summed next-token CE ``[B]`` (masked labels contribute nothing)."""
+    labels = input_ids[:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
+                                           reduction="none").view(labels.shape)
+    if label_mask is not None:
+        ce = ce * label_mask[:, 1:].to(ce.dtype)
+    return ce.sum(dim=1)
+
+
+def exact_per_example_grads(model, input_ids, label_mask=None, autocast_dtype=None):
+    """``{param_name: [B, *param.shape]}``: gradient of each example's summed token loss (torch.func)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, ids, mask):
+        ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+               else torch.autocast("cpu", enabled=False))
+        with ctx:
+            logits = functional_call(model, p, (ids[None],)).logits
+        return token_losses(logits, ids[None], None if mask is None else mask[None])[0]
+
+    mask = label_mask if label_mask is not None else torch.ones_like(input_ids)
+    return vmap(grad(loss_one), in_dims=(None, 0, 0))(params, input_ids, mask)
+
+
+def linear_grad(exact: dict, name: str, with_bias: bool) -> torch.Tensor:
+    """Exact per-example gradient of Linear ``name`` as ``[B, O, I(+1)]`` (bias as the last column)."""
+    w = exact[f"{name}.weight"]
+    if not with_bias:
+        return w
+    return torch.cat([w, exact[f"{name}.bias"].unsqueeze(-1)], dim=-1)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def olmo_factory():
+    return tiny_olmo
