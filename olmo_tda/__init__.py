@@ -10,6 +10,8 @@ __version__ = "0.1.0"
 
 from .capture import CaptureError, GradientCapture, Recording
 from .config import CaptureConfig, ConfigError, StoreConfig, TDAConfig
+from .methods import AttributionResult, attribute
+from .store import GradientRecord, GradientStore
 
 __all__ = ["__version__", "GradientCapture", "Recording", "CaptureError", "CaptureConfig", "StoreConfig",
-           "TDAConfig", "ConfigError"]
+           "TDAConfig", "ConfigError", "GradientStore", "GradientRecord", "attribute", "AttributionResult"]

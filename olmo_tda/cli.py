@@ -1,0 +1,79 @@
+"""``olmo-tda``: the command line. The only module that prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(num_passages=768, epochs=1) if args.quick else DemoConfig()
+    summary = run_demo(args.out, cfg, progress=not args.no_progress)
+    for q in summary.results:
+        print(f"\n[{q['kind']}] {q['query'][:90]!r}")
+        for rank, r in enumerate(q["results"][:3], 1):
+            mark = "  <- itself" if r.get("hit") else ""
+            print(f"  {rank}. #{r['index']:<5} step {r['step']:<4} score {r['score']:+.3f}  {r['text'][:70]!r}{mark}")
+    print(f"\nreport: {summary.report}")
+    print(summary.line())
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .store import GradientStore
+
+    path = Path(args.path)
+    if (path / "store" / "store.json").exists():
+        path = path / "store"
+    summary = GradientStore.open(path).summary()
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    for key, value in summary.items():
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, default=str)
+            value = value if len(value) < 200 else value[:197] + "..."
+        print(f"{key:>22}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="olmo-tda", description="Training-data attribution inside pretraining.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a tiny OLMo on shipped text with capture on, then query it (CPU)")
+    demo.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
+    demo.add_argument("--quick", action="store_true", help="a smaller run (seconds), for smoke tests")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(func=_cmd_demo)
+    inspect = sub.add_parser("inspect", help="summarize a gradient store (or a run directory holding one)")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    inspect.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    try:
+        return args.func(args)
+    except (ValueError, OSError, RuntimeError) as e:     # our errors name the problem; no traceback
+        if args.verbose:
+            raise
+        print(f"olmo-tda {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Which (example id, step) keys a store already holds: duplicate detection for appends.
+
+A resumed run replays steps that may already be stored; those rows must be skipped, not stored
+twice. Keeping every key in memory would cost 8 bytes a row forever, so keys are looked up lazily
+per step from the shards whose step range covers it (cheap columns: ``ids``, ``steps``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from .format import ShardInfo, open_h5
+
+__all__ = ["KeyIndex"]
+
+_EMPTY_IDS = np.zeros(0, dtype=np.int64)
+
+
+class KeyIndex:
+    """The (id, step) keys already durable in the store, for duplicate detection on append.
+
+    Looked up lazily: a step beyond every stored step (the normal case while training) costs
+    nothing; an older step (a replay after resume) reads the ``ids``/``steps`` columns of the few
+    shards whose step range covers it, caching the last few shards' keys.
+    """
+
+    def __init__(self, root: Path, shards: list[ShardInfo], cache_shards: int = 8):
+        self._root = root
+        self._shards = list(shards)
+        self._max_step = max((s.step_max for s in self._shards), default=None)
+        self._cache: OrderedDict[str, dict[int, np.ndarray]] = OrderedDict()
+        self._cache_shards = cache_shards
+
+    def add(self, info: ShardInfo, keys: dict[int, np.ndarray]) -> None:
+        self._shards.append(info)
+        self._max_step = info.step_max if self._max_step is None else max(self._max_step, info.step_max)
+        self._remember(info.file, keys)
+
+    def ids_at(self, step: int) -> np.ndarray:
+        """Sorted unique ids stored at ``step``."""
+        if self._max_step is None or step > self._max_step:
+            return _EMPTY_IDS
+        parts = []
+        for info in self._shards:
+            if info.step_min <= step <= info.step_max:
+                keys = self._keys(info)
+                if step in keys:
+                    parts.append(keys[step])
+        return np.unique(np.concatenate(parts)) if parts else _EMPTY_IDS
+
+    def _keys(self, info: ShardInfo) -> dict[int, np.ndarray]:
+        if info.file in self._cache:
+            self._cache.move_to_end(info.file)
+            return self._cache[info.file]
+        try:
+            with open_h5(self._root / info.file) as f:
+                keys = _group_by_step(f["ids"][:], f["steps"][:])
+        except FileNotFoundError:  # another rank truncated it since we scanned
+            keys = {}
+        self._remember(info.file, keys)
+        return keys
+
+    def _remember(self, file: str, keys: dict[int, np.ndarray]) -> None:
+        self._cache[file] = keys
+        self._cache.move_to_end(file)
+        while len(self._cache) > self._cache_shards:
+            self._cache.popitem(last=False)
+
+
+def _group_by_step(ids: np.ndarray, steps: np.ndarray) -> dict[int, np.ndarray]:
+    order = np.lexsort((ids, steps))
+    ids, steps = ids[order], steps[order]
+    cuts = np.flatnonzero(np.diff(steps)) + 1
+    return {int(s[0]): i for s, i in zip(np.split(steps, cuts), np.split(ids, cuts)) if len(s)}

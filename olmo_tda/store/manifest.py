@@ -1,0 +1,307 @@
+"""Per-rank manifests, writer locks, and the open-time reconciliation of manifests with shard files.
+
+Each rank's writer keeps ``manifest-r{rank:05d}.json``: its shards (:class:`ShardInfo`), counters and
+the next shard sequence number. The manifest is an index for speed; **the shard files are the
+truth**. :func:`scan_store` reconciles the two:
+
+- a shard on disk but not in the manifest (crash between rename and manifest write) is validated
+  and adopted;
+- a manifest entry whose file size differs (crash during ``truncate_after``) is re-read from the file;
+- a listed shard that is missing, or any shard that cannot be read, raises :class:`StoreCorruptError`
+  naming the file — or, with ``repair=True``, is moved to ``quarantine/`` and dropped from the index;
+- leftover ``*.tmp`` files are deleted, but only for ranks whose writer is provably gone (its
+  ``locks/r{rank}.lock`` flock can be taken), so opening a store never disturbs a live writer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from olmo_tda.config import StoreDType
+
+from .errors import StoreCorruptError, StoreError
+from .format import (
+    FORMAT_NAME,
+    LOCK_DIR,
+    QUARANTINE_DIR,
+    SHARD_DIR,
+    STORE_JSON,
+    TMP_SUFFIX,
+    ShardInfo,
+    parse_manifest_name,
+    parse_shard_name,
+    read_shard_info,
+    write_json_atomic,
+)
+
+__all__ = ["COUNTERS", "RankState", "RankLock", "manifest_path", "read_manifest", "write_manifest",
+           "scan_store"]
+
+logger = logging.getLogger(__name__)
+
+COUNTERS = ("records_appended", "rows_written", "rows_skipped_nonfinite", "rows_skipped_duplicate",
+            "rows_truncated")
+_SHARD_TMP_RE = re.compile(r"^r(\d{5})-\d{8}\.h5" + re.escape(TMP_SUFFIX) + "$")
+_MANIFEST_TMP_RE = re.compile(r"^manifest-r(\d{5})\.json" + re.escape(TMP_SUFFIX) + "$")
+_STALE_STORE_JSON_TMP_S = 600.0  # store.json is written once, in milliseconds; older temps are debris
+
+
+@dataclass
+class RankState:
+    """One rank's index: shards by seq, cumulative counters, and the next shard seq to use."""
+
+    rank: int
+    shards: dict[int, ShardInfo] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    next_seq: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME + ".manifest", "format_version": 1, "rank": self.rank,
+                "next_seq": self.next_seq, "counters": dict(self.counters),
+                "shards": [self.shards[s].to_json() for s in sorted(self.shards)]}
+
+
+def manifest_path(root: Path, rank: int) -> Path:
+    return root / f"manifest-r{rank:05d}.json"
+
+
+def read_manifest(root: Path, rank: int) -> RankState | None:
+    """The rank's manifest, or None if it has none; :class:`StoreCorruptError` if it is unreadable."""
+    path = manifest_path(root, rank)
+    try:
+        data = json.loads(path.read_text())
+        state = RankState(rank=rank, next_seq=int(data["next_seq"]))
+        state.counters.update({k: int(v) for k, v in data["counters"].items() if k in COUNTERS})
+        for entry in data["shards"]:
+            info = ShardInfo.from_json(entry)
+            state.shards[info.seq] = info
+        return state
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StoreCorruptError(
+            f"gradient store manifest {path} is unreadable ({type(e).__name__}: {e}); "
+            "GradientStore.open(path, repair=True) rebuilds it from the shard files") from e
+
+
+def write_manifest(root: Path, state: RankState) -> None:
+    write_json_atomic(manifest_path(root, state.rank), state.to_json())
+
+
+class RankLock:
+    """An exclusive ``flock`` on ``locks/r{rank}.lock``, held by a rank's writer while it is alive.
+
+    The kernel drops it when the process dies (also on SIGKILL), so a lock that can be taken means
+    that rank's ``*.tmp`` files are debris. On filesystems without flock support the lock is a no-op
+    (``held`` is False) and tmp files of other ranks are then never deleted.
+    """
+
+    def __init__(self, fd: int | None, path: Path):
+        self._fd = fd
+        self.path = path
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    @classmethod
+    def acquire_for_writing(cls, root: Path, rank: int) -> "RankLock":
+        path = root / LOCK_DIR / f"r{rank:05d}.lock"
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreError(
+                f"rank {rank} of gradient store {root} is already being written (lock {path} is held "
+                "by another writer, in this or another process); close it first, or give each "
+                "process its own rank") from None
+        except OSError as e:
+            os.close(fd)
+            logger.warning("gradient store %s: flock unsupported here (%s); concurrent writers of "
+                           "rank %d will not be detected", root, e, rank)
+            return cls(None, path)
+        return cls(fd, path)
+
+    @classmethod
+    def try_acquire(cls, root: Path, rank: int) -> "RankLock | None":
+        """The lock if no live writer holds it (a missing lock file: no writer ever ran), else None."""
+        path = root / LOCK_DIR / f"r{rank:05d}.lock"
+        try:
+            fd = os.open(path, os.O_RDONLY)  # read-only suffices for flock; works on a read-only mount
+        except FileNotFoundError:
+            return cls(None, path)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None  # held by a live writer, or flock unsupported: assume alive
+        return cls(fd, path)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+
+def _remove_debris(path: Path) -> None:
+    try:
+        os.remove(path)
+        logger.info("gradient store: removed leftover temp file %s", path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # e.g. a read-only mount: harmless, readers ignore *.tmp
+        logger.debug("gradient store: could not remove %s: %s", path, e)
+
+
+def _quarantine(root: Path, rel: str, reason: str) -> None:
+    src = root / rel
+    qdir = root / QUARANTINE_DIR
+    qdir.mkdir(exist_ok=True)
+    dst = qdir / src.name
+    k = 1
+    while dst.exists():
+        dst, k = qdir / f"{src.name}.{k}", k + 1
+    os.replace(src, dst)
+    warnings.warn(f"gradient store {root}: moved unreadable shard {rel} to {dst} ({reason}); its rows are lost",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, layer_shapes, dtype,
+                    repair: bool, may_modify: bool) -> bool:
+    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed."""
+    changed = False
+    on_disk = dict(on_disk)
+
+    def corrupt(rel: str, exc: StoreCorruptError) -> None:
+        if not repair:
+            raise exc
+        if not may_modify:
+            raise StoreError(f"cannot repair {root / rel}: rank {state.rank}'s writer is still running; "
+                             "stop it first") from exc
+        _quarantine(root, rel, str(exc.__cause__ or exc))
+
+    for seq, info in sorted(state.shards.items()):
+        path = root / info.file
+        if seq not in on_disk:
+            exc = StoreCorruptError(
+                f"gradient store shard {path} is listed in {manifest_path(root, state.rank).name} but missing; "
+                "restore it, or open with GradientStore.open(path, repair=True) to drop it from the index")
+            if not repair:
+                raise exc
+            warnings.warn(f"gradient store {root}: dropping missing shard {info.file} from the index",
+                          RuntimeWarning, stacklevel=3)
+            del state.shards[seq]
+            changed = True
+            continue
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:  # vanished under us (a concurrent truncate of a live rank)
+            del state.shards[seq]
+            changed = True
+            continue
+        if size != info.bytes:
+            try:
+                fresh = read_shard_info(root, info.file, layer_shapes, dtype)
+            except StoreCorruptError as exc:
+                corrupt(info.file, exc)
+                del state.shards[seq]
+                del on_disk[seq]
+            else:
+                logger.info("gradient store %s: %s changed size since the manifest was written; "
+                            "re-indexed from the file", root, info.file)
+                state.shards[seq] = fresh
+            changed = True
+    for seq, rel in sorted(on_disk.items()):
+        if seq in state.shards:
+            continue
+        try:
+            info = read_shard_info(root, rel, layer_shapes, dtype)
+        except StoreCorruptError as exc:
+            corrupt(rel, exc)
+            continue
+        logger.info("gradient store %s: adopted shard %s missing from the manifest "
+                    "(its writer stopped between rename and manifest update)", root, rel)
+        state.shards[seq] = info
+        state.counters["rows_written"] += info.num_rows
+        changed = True
+    # seqs only grow, so a shard name is never reused while a reader may still hold the old file
+    next_seq = max([state.next_seq - 1, *on_disk]) + 1
+    if state.next_seq != next_seq:
+        state.next_seq = next_seq
+        changed = True
+    return changed
+
+
+def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreDType, repair: bool = False,
+               own_rank: int | None = None) -> dict[int, RankState]:
+    """Read every rank's manifest and reconcile it with the shard files (see the module docstring).
+
+    ``own_rank``: the caller is that rank's writer and already holds its lock; its manifest is
+    rewritten if reconciliation changed it. Other ranks' manifests are rewritten only under
+    ``repair=True`` (and only if their writer is gone). Returns rank -> :class:`RankState`.
+    """
+    shard_dir = root / SHARD_DIR
+    files: dict[int, dict[int, str]] = {}
+    tmps: dict[int, list[Path]] = {}
+    for entry in os.scandir(shard_dir) if shard_dir.is_dir() else []:
+        parsed = parse_shard_name(entry.name)
+        if parsed is not None:
+            files.setdefault(parsed[0], {})[parsed[1]] = f"{SHARD_DIR}/{entry.name}"
+        elif (m := _SHARD_TMP_RE.match(entry.name)) is not None:
+            tmps.setdefault(int(m.group(1)), []).append(Path(entry.path))
+    manifests: set[int] = set()
+    for entry in os.scandir(root):
+        if (rank := parse_manifest_name(entry.name)) is not None:
+            manifests.add(rank)
+        elif (m := _MANIFEST_TMP_RE.match(entry.name)) is not None:
+            tmps.setdefault(int(m.group(1)), []).append(Path(entry.path))
+        elif entry.name.startswith(STORE_JSON + ".") and entry.name.endswith(TMP_SUFFIX):
+            try:
+                if time.time() - entry.stat().st_mtime > _STALE_STORE_JSON_TMP_S:
+                    _remove_debris(Path(entry.path))
+            except FileNotFoundError:
+                pass
+
+    states: dict[int, RankState] = {}
+    for rank in sorted(set(files) | manifests | set(tmps)):
+        lock = None if rank == own_rank else RankLock.try_acquire(root, rank)
+        may_modify = rank == own_rank or lock is not None
+        try:
+            if may_modify:
+                for tmp in tmps.get(rank, []):
+                    _remove_debris(tmp)
+            try:
+                state = read_manifest(root, rank)
+            except StoreCorruptError:
+                if not repair:
+                    raise
+                warnings.warn(f"gradient store {root}: rebuilding unreadable manifest of rank {rank} "
+                              "from its shard files (counters restart)", RuntimeWarning, stacklevel=2)
+                state = None
+            state = state or RankState(rank=rank)
+            changed = _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes,
+                                      dtype=dtype, repair=repair, may_modify=may_modify)
+            if changed and may_modify and (rank == own_rank or repair):
+                write_manifest(root, state)
+            if state.shards or rank == own_rank or rank in manifests:
+                states[rank] = state
+        finally:
+            if lock is not None:
+                lock.release()
+    return states

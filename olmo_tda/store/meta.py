@@ -1,0 +1,149 @@
+"""``store.json``: the store's self-description, built once and checked on every append.
+
+Written by the first writer (atomically) from the capture engine's ``meta`` plus what the store
+knows (format, dtype, convention, library version). A writer reopening the store must agree on
+:data:`COMPARED_KEYS`; otherwise :class:`StoreMismatchError` prints both sides of each difference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from olmo_tda.config import StoreDType
+
+from .errors import StoreCorruptError, StoreError, StoreMismatchError
+from .format import FORMAT_NAME, FORMAT_VERSION, STORE_JSON
+
+__all__ = ["GRADIENT_CONVENTION", "REPRESENTATION", "COMPARED_KEYS", "build_store_meta",
+           "check_meta_compatible", "load_store_json"]
+
+GRADIENT_CONVENTION = "sum_token_loss"
+REPRESENTATION = "dense"
+# keys of store.json that must agree before a writer may append (``extra`` is free-form on purpose:
+# e.g. a data fingerprint may legitimately change when selection rewrites the order)
+COMPARED_KEYS = ("format_version", "gradient_convention", "representation", "dtype",
+                 "capture", "layers", "projector_hash")
+
+
+def _library_version() -> str:
+    # imported lazily: the package __init__ may import this module
+    try:
+        import olmo_tda
+
+        version = getattr(olmo_tda, "__version__", None)
+        if version:
+            return str(version)
+    except ImportError:  # pragma: no cover - we are inside the package
+        pass
+    try:
+        from importlib.metadata import version as dist_version
+
+        return dist_version("olmo-tda")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (e.g. a source checkout)
+        return "0.1.0"
+
+
+def _plain(value: Any, where: str) -> Any:
+    """JSON round trip: tuples become lists, str-enums strings; so caller meta compares to stored."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"store meta {where!r} is not JSON-serializable: {e}") from None
+
+
+def build_store_meta(meta: dict[str, Any], dtype: StoreDType) -> dict[str, Any]:
+    """The full ``store.json`` from the capture engine's ``meta`` and the store dtype.
+
+    ``meta`` needs ``"capture"`` (dict), ``"layers"`` (list of ``{"name", "shape": [k_out, k_in],
+    "projector": {...}}`` in a fixed order: layer ``i`` is ``grads/L{i:04d}``) and
+    ``"projector_hash"`` (str); ``"extra"`` (dict) is optional.
+    """
+    if not isinstance(meta, dict):
+        raise ValueError(f"store meta must be a dict, got {type(meta).__name__}")
+    missing = [k for k in ("capture", "layers", "projector_hash") if k not in meta]
+    if missing:
+        raise ValueError(f"store meta lacks {missing}; the capture engine must supply "
+                         "'capture', 'layers' and 'projector_hash'")
+    unknown = sorted(set(meta) - {"capture", "layers", "projector_hash", "extra"})
+    if unknown:
+        raise ValueError(f"store meta has unknown keys {unknown}; put free-form data under 'extra'")
+    layers = []
+    for i, layer in enumerate(_plain(meta["layers"], "layers")):
+        if not isinstance(layer, dict) or "name" not in layer or "shape" not in layer:
+            raise ValueError(f"store meta layers[{i}] must be a dict with 'name' and 'shape', got {layer!r}")
+        shape = layer["shape"]
+        if (not isinstance(shape, list) or len(shape) != 2
+                or not all(isinstance(d, int) and d > 0 for d in shape)):
+            raise ValueError(f"store meta layers[{i}] ({layer['name']!r}): shape must be "
+                             f"[k_out, k_in] positive ints, got {shape!r}")
+        layers.append({"name": str(layer["name"]), "shape": shape,
+                       "projector": layer.get("projector", {}),
+                       **{k: v for k, v in layer.items() if k not in ("name", "shape", "projector")}})
+    names = [layer["name"] for layer in layers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"store meta layers have duplicate names: {sorted({n for n in names if names.count(n) > 1})}")
+    if not layers:
+        raise ValueError("store meta has no layers; capture at least one layer")
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": _library_version(),
+        "gradient_convention": GRADIENT_CONVENTION,
+        "dtype": StoreDType(dtype).value,
+        "representation": REPRESENTATION,
+        "capture": _plain(meta["capture"], "capture"),
+        "layers": layers,
+        "projector_hash": str(meta["projector_hash"]),
+        "extra": _plain(meta.get("extra", {}), "extra"),
+        "created_unix": time.time(),
+    }
+
+
+def _diff(stored: Any, requested: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
+    """Yield ``(path, stored, requested)`` at the deepest places where two JSON values differ."""
+    if isinstance(stored, dict) and isinstance(requested, dict):
+        for key in sorted(set(stored) | set(requested), key=str):
+            a, b = stored.get(key, "<absent>"), requested.get(key, "<absent>")
+            if a != b:
+                yield from _diff(a, b, f"{path}.{key}")
+    elif (isinstance(stored, list) and isinstance(requested, list) and len(stored) == len(requested)
+          and any(isinstance(v, (dict, list)) for v in stored)):  # lists of scalars print whole
+        for i, (a, b) in enumerate(zip(stored, requested)):
+            if a != b:
+                yield from _diff(a, b, f"{path}[{i}]")
+    elif stored != requested:
+        yield path, stored, requested
+
+
+def check_meta_compatible(stored: dict[str, Any], requested: dict[str, Any], where: str) -> None:
+    """Raise :class:`StoreMismatchError` listing both sides of every differing compared key."""
+    lines = []
+    for key in COMPARED_KEYS:
+        for path, a, b in _diff(stored.get(key, "<absent>"), requested.get(key, "<absent>"), key):
+            lines.append(f"  {path}:\n    stored:    {json.dumps(a)}\n    requested: {json.dumps(b)}")
+    if lines:
+        shown = lines[:20] + ([f"  ... and {len(lines) - 20} more differences"] if len(lines) > 20 else [])
+        raise StoreMismatchError(
+            f"gradient store {where} was written with different settings; refusing to append "
+            f"(use a new store.path, or the settings it was created with):\n" + "\n".join(shown))
+
+
+def load_store_json(root: Path) -> dict[str, Any]:
+    """``store.json`` parsed and checked to be ours and of a version we read."""
+    path = root / STORE_JSON
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{root} is not a gradient store (no {STORE_JSON}); check the path, or create "
+                         "one with GradientStore.create") from None
+    except (OSError, ValueError) as e:
+        raise StoreCorruptError(f"gradient store metadata {path} is unreadable: {e}") from e
+    if meta.get("format") != FORMAT_NAME:
+        raise StoreError(f"{path} is not an olmo_tda gradient store (format={meta.get('format')!r})")
+    if int(meta.get("format_version", -1)) > FORMAT_VERSION:
+        raise StoreError(f"{path} has format_version {meta.get('format_version')}, newer than this "
+                         f"olmo_tda reads ({FORMAT_VERSION}); upgrade olmo_tda")
+    return meta

@@ -1,0 +1,299 @@
+"""The read side of a gradient store: ``GradientStore.open`` and bounded-memory block streaming.
+
+Opening reads ``store.json`` and the manifests and reconciles them with the shard files (see
+:mod:`.manifest`); it only sees durable shards, so it is safe while writers are still appending
+(:meth:`GradientStore.refresh` picks up shards written since). Nothing is unpickled: HDF5 + JSON.
+
+Rows come in *blocks* of at most ``block_size`` rows, read as HDF5 slices shard by shard; a block
+may span shards. Memory is bounded by ``block_size`` rows of the selected layers plus the
+per-shard key columns (ids/steps/lr/loss_scale, 32 bytes a row).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from olmo_tda.config import StoreConfig, StoreDType
+
+from .errors import StoreCorruptError
+from .format import ShardInfo, decode_grads, open_h5
+from .manifest import COUNTERS, RankState, scan_store
+from .meta import load_store_json
+
+if TYPE_CHECKING:
+    from .writer import StoreWriter
+
+__all__ = ["GradientBlock", "GradientStore"]
+
+
+@dataclass
+class GradientBlock:
+    """Up to ``block_size`` stored rows; row ``i`` is example ``ids[i]`` at step ``steps[i]``."""
+
+    ids: np.ndarray
+    """int64 ``[n]``: global example (data) indices."""
+    steps: np.ndarray
+    """int64 ``[n]``: optimizer step of each row."""
+    lr: np.ndarray
+    """float64 ``[n]``: learning rate of that step."""
+    loss_scale: np.ndarray
+    """float64 ``[n]``: the loop's loss divisor at that step (already undone in ``grads``)."""
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """layer name -> float32 ``[n, k_out, k_in]`` (decoded from the store dtype)."""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class GradientStore:
+    """A gradient store opened for reading. Create one for writing with :meth:`create`.
+
+    Example::
+
+        store = GradientStore.open("run/tda/store")
+        for block in store.iter_blocks(layers=["blocks.0.att_proj"], block_size=512):
+            scores = torch.einsum("noi,oi->n", block.grads["blocks.0.att_proj"], query_grad)
+    """
+
+    def __init__(self, root: Path, meta: dict[str, Any], states: dict[int, RankState]):
+        """Use :meth:`open`."""
+        self.path = root
+        self.meta = meta
+        self._states = states
+        self._key_summary: tuple[int, np.ndarray] | None = None
+
+    # -- constructors -----------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, repair: bool = False) -> "GradientStore":
+        """Open an existing store read-only.
+
+        ``repair=True`` moves unreadable shards to ``quarantine/`` (their rows are lost) and drops
+        missing ones from the index instead of raising :class:`StoreCorruptError`.
+        """
+        root = Path(path)
+        meta = load_store_json(root)
+        return cls(root, meta, cls._scan(root, meta, repair))
+
+    @staticmethod
+    def create(path: str | os.PathLike, meta: dict[str, Any], config: StoreConfig, rank: int = 0,
+               *, repair: bool = False) -> "StoreWriter":
+        """Create (or reopen for append) the store at ``path``: see :meth:`StoreWriter.create`."""
+        from .writer import StoreWriter
+
+        return StoreWriter.create(path, meta, config, rank, repair=repair)
+
+    @staticmethod
+    def _scan(root: Path, meta: dict[str, Any], repair: bool) -> dict[int, RankState]:
+        shapes = [tuple(layer["shape"]) for layer in meta["layers"]]
+        return scan_store(root, layer_shapes=shapes, dtype=StoreDType(meta["dtype"]), repair=repair)
+
+    def refresh(self) -> None:
+        """Re-read manifests and shard listing, to see shards made durable since :meth:`open`."""
+        self._states = self._scan(self.path, self.meta, False)
+        self._key_summary = None
+
+    # -- description ------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> StoreDType:
+        return StoreDType(self.meta["dtype"])
+
+    @property
+    def layers(self) -> list[str]:
+        """Layer names in store order (layer ``i`` is ``grads/L{i:04d}`` in every shard)."""
+        return [layer["name"] for layer in self.meta["layers"]]
+
+    @property
+    def layer_shapes(self) -> dict[str, tuple[int, int]]:
+        """name -> ``(k_out, k_in)``."""
+        return {layer["name"]: tuple(layer["shape"]) for layer in self.meta["layers"]}
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        """All durable shards, in reading order (by first step, then rank, then seq)."""
+        infos = [info for state in self._states.values() for info in state.shards.values()]
+        return sorted(infos, key=lambda s: (s.step_min, s.rank, s.seq))
+
+    @property
+    def num_rows(self) -> int:
+        """Stored rows: (example, step) pairs. An example seen at two steps is two rows."""
+        return sum(info.num_rows for info in self.shards)
+
+    @property
+    def num_examples(self) -> int:
+        """Distinct example ids (reads the ids column of every shard once)."""
+        return self._keys()[0]
+
+    @property
+    def steps(self) -> np.ndarray:
+        """Sorted unique steps present (int64; reads the steps column of every shard once)."""
+        return self._keys()[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all shard files on disk."""
+        return sum(info.bytes for info in self.shards)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Writer counters summed over ranks (rows written, skipped as non-finite/duplicate, ...)."""
+        out = dict.fromkeys(COUNTERS, 0)
+        for state in self._states.values():
+            for key in COUNTERS:
+                out[key] += state.counters.get(key, 0)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Everything ``olmo-tda inspect`` shows, as plain JSON-able values."""
+        steps = self.steps
+        shapes = self.layer_shapes
+        num_rows = self.num_rows
+        return {
+            "path": str(self.path),
+            "format_version": self.meta["format_version"],
+            "library_version": self.meta.get("library_version"),
+            "gradient_convention": self.meta["gradient_convention"],
+            "representation": self.meta["representation"],
+            "dtype": self.dtype.value,
+            "num_rows": num_rows,
+            "num_examples": self.num_examples,
+            "steps": {"count": int(len(steps)), "min": int(steps[0]) if len(steps) else None,
+                      "max": int(steps[-1]) if len(steps) else None},
+            "layers": [{"name": n, "shape": list(shapes[n])} for n in self.layers],
+            "floats_per_row": int(sum(o * i for o, i in shapes.values())),
+            "bytes": self.nbytes,
+            "bytes_per_row": round(self.nbytes / num_rows, 1) if num_rows else None,
+            "shards": len(self.shards),
+            "ranks": sorted(self._states),
+            "capture": self.meta["capture"],
+            "projector_hash": self.meta["projector_hash"],
+            "extra": self.meta.get("extra", {}),
+            "stats": self.stats,
+        }
+
+    def _keys(self) -> tuple[int, np.ndarray]:
+        if self._key_summary is None:
+            ids, steps = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+            for info in self.shards:
+                with self._open_shard(info) as f:
+                    ids.append(np.unique(f["ids"][:]))
+                    steps.append(np.unique(f["steps"][:]))
+            self._key_summary = (int(len(np.unique(np.concatenate(ids)))), np.unique(np.concatenate(steps)))
+        return self._key_summary
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def iter_blocks(self, layers: Iterable[str] | None = None, block_size: int = 1024,
+                    steps: Iterable[int] | None = None, ids: Iterable[int] | None = None,
+                    ) -> Iterator[GradientBlock]:
+        """Stream rows in blocks of at most ``block_size`` (the last may be smaller).
+
+        ``layers``: names to decode (default all); ``steps`` / ``ids``: keep only rows whose step /
+        example id is in the given collection. Row order is shard order (see :attr:`shards`),
+        append order within a shard; it does not depend on ``block_size``.
+        """
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        indices = self._layer_indices(layers)
+        step_set = None if steps is None else np.unique(np.asarray(list(steps), dtype=np.int64))
+        id_set = None if ids is None else np.unique(np.asarray(list(ids), dtype=np.int64))
+        pending: list[GradientBlock] = []
+        n_pending = 0
+        for info in self.shards:
+            if step_set is not None and not _range_hits(step_set, info.step_min, info.step_max):
+                continue
+            with self._open_shard(info) as f:
+                mask = np.ones(info.num_rows, dtype=bool)
+                shard_steps = f["steps"][:]
+                shard_ids = f["ids"][:]
+                if step_set is not None:
+                    mask &= np.isin(shard_steps, step_set)
+                if id_set is not None:
+                    mask &= np.isin(shard_ids, id_set)
+                rows = np.flatnonzero(mask)
+                if len(rows) == 0:
+                    continue
+                lr, loss_scale = f["lr"][:], f["loss_scale"][:]
+                pos = 0
+                while pos < len(rows):
+                    take = rows[pos:pos + block_size - n_pending]
+                    pos += len(take)
+                    grads = {name: decode_grads(_read_rows(f[f"grads/L{i:04d}"], take), self.dtype)
+                             for name, i in indices}
+                    pending.append(GradientBlock(ids=shard_ids[take], steps=shard_steps[take], lr=lr[take],
+                                                 loss_scale=loss_scale[take], grads=grads))
+                    n_pending += len(take)
+                    if n_pending == block_size:
+                        yield _concat(pending, indices)
+                        pending, n_pending = [], 0
+        if pending:
+            yield _concat(pending, indices)
+
+    def read_all(self, layers: Iterable[str] | None = None, steps: Iterable[int] | None = None,
+                 ids: Iterable[int] | None = None) -> GradientBlock:
+        """Every selected row as one block (for small stores and tests; memory = whole selection)."""
+        blocks = list(self.iter_blocks(layers, block_size=max(1, self.num_rows), steps=steps, ids=ids))
+        if blocks:
+            return blocks[0]
+        empty = {name: torch.zeros((0, *self.layer_shapes[name])) for name, _ in self._layer_indices(layers)}
+        return GradientBlock(ids=np.zeros(0, np.int64), steps=np.zeros(0, np.int64), lr=np.zeros(0),
+                             loss_scale=np.zeros(0), grads=empty)
+
+    def _layer_indices(self, layers: Iterable[str] | None) -> list[tuple[str, int]]:
+        names = self.layers
+        if layers is None:
+            return list(zip(names, range(len(names))))
+        if isinstance(layers, str):
+            layers = [layers]
+        position = {n: i for i, n in enumerate(names)}
+        out = []
+        for name in layers:
+            if name not in position:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise KeyError(f"gradient store {self.path} has no layer {name!r}{hint} "
+                               f"(it has {len(names)} layers: see GradientStore.layers)")
+            out.append((name, position[name]))
+        return out
+
+    def _open_shard(self, info: ShardInfo):
+        path = self.path / info.file
+        try:
+            return open_h5(path)
+        except (OSError, ValueError) as e:
+            raise StoreCorruptError(f"gradient store shard {path} cannot be opened ({e}); if a writer "
+                                    "truncated the store meanwhile call refresh(), else open with "
+                                    "repair=True") from e
+
+
+def _range_hits(sorted_values: np.ndarray, lo: int, hi: int) -> bool:
+    """Whether any of ``sorted_values`` lies in ``[lo, hi]``."""
+    i = np.searchsorted(sorted_values, lo)
+    return bool(i < len(sorted_values) and sorted_values[i] <= hi)
+
+
+def _read_rows(dataset, rows: np.ndarray) -> np.ndarray:
+    """``dataset[rows]`` for sorted ``rows``, as one contiguous slice read whenever that is not wasteful."""
+    lo, hi = int(rows[0]), int(rows[-1]) + 1
+    if hi - lo == len(rows):
+        return dataset[lo:hi]
+    if hi - lo <= 2 * len(rows):
+        return dataset[lo:hi][rows - lo]
+    return dataset[rows]  # sparse selection: HDF5 point selection, memory stays ~len(rows)
+
+
+def _concat(pieces: list[GradientBlock], indices: list[tuple[str, int]]) -> GradientBlock:
+    if len(pieces) == 1:
+        return pieces[0]
+    return GradientBlock(
+        ids=np.concatenate([p.ids for p in pieces]), steps=np.concatenate([p.steps for p in pieces]),
+        lr=np.concatenate([p.lr for p in pieces]), loss_scale=np.concatenate([p.loss_scale for p in pieces]),
+        grads={name: torch.cat([p.grads[name] for p in pieces]) for name, _ in indices})

@@ -1,0 +1,459 @@
+"""The write side of a gradient store: an append-only writer with one background I/O thread.
+
+The training thread only validates a record's layer names/shapes and enqueues it (a bounded queue:
+when the writer falls behind, ``append`` blocks instead of memory growing). The writer thread moves
+tensors to CPU, encodes them in the store dtype, drops non-finite and duplicate rows, buffers a
+window of ``flush_every`` distinct steps and writes it as one shard (see :mod:`.format`).
+
+Failures in the thread are raised in the caller at its next ``append``/``flush``/``close`` as
+:class:`StoreWriteError`. A failed shard write removes its temp file and keeps the window in memory,
+so the next flush retries it; shards already durable are never touched by a failing write.
+
+Memory held: at most ``queue_size`` records in the queue + one window of ``flush_every`` steps
+(rows × Σ_layers k_out·k_in × bytes of the store dtype).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from olmo_tda.config import StoreConfig, StoreDType
+
+from .errors import StoreError, StoreWriteError, describe_os_error
+from .format import (
+    SHARD_DIR,
+    STORE_JSON,
+    ShardInfo,
+    commit_shard,
+    encode_grads,
+    fsync_dir,
+    nonfinite_rows,
+    open_h5,
+    prepare_shard,
+    write_json_atomic,
+    write_shard,
+)
+from .keys import KeyIndex
+from .manifest import RankLock, RankState, scan_store, write_manifest
+from .meta import build_store_meta, check_meta_compatible, load_store_json
+from .record import GradientRecord
+
+__all__ = ["StoreWriter", "NonFiniteGradientWarning"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.5  # how often a blocked caller re-checks that the writer thread is still alive
+
+
+class NonFiniteGradientWarning(RuntimeWarning):
+    """Rows with NaN/inf gradients were skipped (not stored); the ids are in the message."""
+
+
+class StoreWriter:
+    """Append-only writer of one rank's shards. Make one with :meth:`GradientStore.create`.
+
+    Example::
+
+        with GradientStore.create("run/tda/store", meta, StoreConfig(flush_every=8), rank=0) as w:
+            for record in records:          # GradientRecord per optimizer step
+                w.append(record)            # returns once queued
+        # closed: every appended row is durable
+
+    Only this rank's files are written. ``meta`` is the capture engine's description (see
+    :func:`~olmo_tda.store.meta.build_store_meta`); reopening an existing store checks it.
+    """
+
+    def __init__(self, root: Path, store_meta: dict[str, Any], config: StoreConfig, rank: int,
+                 lock: RankLock, states: dict[int, RankState]):
+        self.path = root
+        self.rank = rank
+        self.meta = store_meta
+        self.dtype = StoreDType(store_meta["dtype"])
+        self.layers = [layer["name"] for layer in store_meta["layers"]]
+        self.layer_shapes = {layer["name"]: tuple(layer["shape"]) for layer in store_meta["layers"]}
+        self._config = config
+        self._lock = lock
+        self._state = states.get(rank) or RankState(rank=rank)
+        self._other_shards = [s for r, st in states.items() if r != rank for s in st.shards.values()]
+        self._index = KeyIndex(root, [*self._state.shards.values(), *self._other_shards])
+        # window buffer: one chunk per ingested record (rows kept), owned by the writer thread
+        self._chunks: list[dict[str, Any]] = []
+        self._window_keys: dict[int, list[np.ndarray]] = {}
+        self._window_nonfinite: list[tuple[int, np.ndarray]] = []
+        self._manifest_dirty = False
+        self._warned_duplicates = False
+        self._mutex = threading.Lock()  # guards counters/shards (read by stats) and the pending error
+        self._error: StoreWriteError | None = None  # raised at the caller's next call
+        self._error_retryable = False  # a failed window write: cleared once a later write succeeds
+        self._closed = False
+        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._thread = threading.Thread(target=self._run, name=f"olmo_tda-store-writer-r{rank}", daemon=True)
+        self._thread.start()
+        # a run that ends without close() (an exception escaping the loop) still gets its last
+        # window written; close() unregisters this
+        atexit.register(self._close_at_exit)
+
+    # -- creation ---------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, meta: dict[str, Any], config: StoreConfig, rank: int = 0,
+               *, repair: bool = False) -> "StoreWriter":
+        """Create the store at ``path``, or reopen it for appending if ``store.json`` exists.
+
+        Raises :class:`StoreError` if the location cannot be created or written,
+        :class:`StoreMismatchError` if an existing store was written with other settings.
+        """
+        config.validate()
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        root = Path(path)
+        requested = build_store_meta(meta, config.dtype)
+        _make_writable_dir(root, rank)
+        store_json = root / STORE_JSON
+        if not store_json.exists():
+            if any((root / SHARD_DIR).glob("*.h5")):
+                raise StoreError(f"{root} has shards but no {STORE_JSON}; refusing to create a store over "
+                                 "them. Restore store.json or choose an empty store.path")
+            # ranks may race here; each write is atomic and all ranks then check what won
+            write_json_atomic(store_json, requested, tmp_tag=f".{os.getpid()}-r{rank}")
+        stored = load_store_json(root)
+        check_meta_compatible(stored, requested, str(root))
+        lock = RankLock.acquire_for_writing(root, rank)
+        try:
+            shapes = [tuple(layer["shape"]) for layer in stored["layers"]]
+            states = scan_store(root, layer_shapes=shapes, dtype=StoreDType(stored["dtype"]),
+                                repair=repair, own_rank=rank)
+        except BaseException:
+            lock.release()
+            raise
+        writer = cls(root, stored, config, rank, lock, states)
+        logger.info("gradient store %s: writing rank %d (dtype %s, %d existing shards of this rank, "
+                    "next seq %d)", root, rank, writer.dtype.value, len(writer._state.shards),
+                    writer._state.next_seq)
+        return writer
+
+    # -- caller-thread API ------------------------------------------------------------------------
+
+    def append(self, record: GradientRecord) -> None:
+        """Queue one step's per-example gradients; blocks only while the queue is full.
+
+        The store takes the record's tensors over: do not modify them afterwards. GPU tensors are
+        copied to CPU in the writer thread, so they must be ready on the current CUDA stream.
+        """
+        self._raise_pending()
+        self._check_open()
+        names = set(record.grads)
+        if names != set(self.layers):
+            missing, extra = sorted(set(self.layers) - names), sorted(names - set(self.layers))
+            raise ValueError(f"gradient store {self.path}: record for step {record.step} has layers "
+                             f"missing={missing} extra={extra} relative to the store's layers")
+        for name, g in record.grads.items():
+            if tuple(g.shape[1:]) != self.layer_shapes[name] or not g.is_floating_point():
+                raise ValueError(f"gradient store {self.path}: grads[{name!r}] is {tuple(g.shape)} "
+                                 f"{g.dtype}, expected [N, {', '.join(map(str, self.layer_shapes[name]))}] float")
+        item = GradientRecord(ids=np.array(record.ids, dtype=np.int64), step=int(record.step),
+                              lr=float(record.lr), loss_scale=float(record.loss_scale),
+                              grads={name: g.detach() for name, g in record.grads.items()})
+        self._put(item)
+
+    def flush(self) -> ShardInfo | None:
+        """Write the buffered window as a shard now and wait until it is durable.
+
+        Returns the new shard's info, or None if nothing was buffered. Raises
+        :class:`StoreWriteError` if the write failed (the window stays buffered: call again to retry).
+        """
+        self._check_open()
+        info = self._command("flush")
+        self._raise_pending()
+        return info
+
+    def truncate_after(self, step: int) -> int:
+        """Drop this rank's rows with step > ``step`` (buffered and on disk); return how many.
+
+        For resuming from an older checkpoint. Affected shards are rewritten atomically; if the
+        process dies part-way the store stays consistent and calling this again completes it.
+        """
+        self._check_open()
+        dropped = self._command("truncate", int(step))
+        self._raise_pending()
+        return dropped
+
+    def close(self) -> None:
+        """Flush, stop the writer thread and release the rank lock. Idempotent.
+
+        If the final write fails, :class:`StoreWriteError` is raised and the writer stays open
+        (thread alive, window buffered), so ``close()`` can be retried after freeing space.
+        """
+        if self._closed:
+            return
+        self._command("stop")
+        self._thread.join()
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
+        self._lock.release()
+        logger.info("gradient store %s: rank %d closed (%s)", self.path, self.rank, self.stats)
+        self._raise_pending()
+
+    def _close_at_exit(self) -> None:
+        if not self._closed:
+            logger.warning("gradient store %s: rank %d writer was not closed; closing it at exit",
+                           self.path, self.rank)
+            try:
+                self.close()
+            except StoreError as e:
+                logger.error("gradient store %s: closing at exit failed: %s", self.path, e)
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters of this rank (across sessions) plus the current window."""
+        with self._mutex:
+            out = dict(self._state.counters)
+        out["shards"] = len(self._state.shards)
+        out["buffered_rows"] = sum(len(c["ids"]) for c in list(self._chunks))
+        out["buffered_steps"] = len(self._window_keys)
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"gradient store writer {self.path} (rank {self.rank}) is closed")
+
+    def _raise_pending(self) -> None:
+        with self._mutex:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _put(self, item: Any) -> None:
+        while True:
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                self._check_thread()
+
+    def _check_thread(self) -> None:
+        if not self._thread.is_alive():
+            raise StoreWriteError(f"gradient store {self.path}: the writer thread of rank {self.rank} "
+                                  "has died; rows appended since the last durable shard are lost")
+
+    def _command(self, kind: str, arg: Any = None) -> Any:
+        future: Future = Future()
+        self._put((kind, arg, future))
+        while True:
+            try:
+                return future.result(timeout=_POLL_S)
+            except TimeoutError:
+                self._check_thread()
+
+    # -- writer thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, GradientRecord):
+                try:
+                    self._ingest(item)
+                except Exception as e:  # noqa: BLE001 - surfaced in the caller thread
+                    self._fail(e, f"ingesting the record of step {item.step}", retryable=False)
+                    continue
+                if len(self._window_keys) >= self._config.flush_every:
+                    try:
+                        self._write_window()
+                    except Exception as e:  # noqa: BLE001
+                        self._fail(e, "writing a shard", retryable=True)
+                continue
+            kind, arg, future = item
+            try:
+                if kind == "truncate":
+                    result = self._truncate(arg)
+                else:
+                    result = self._write_window()
+            except Exception as e:  # noqa: BLE001
+                with self._mutex:
+                    if self._error_retryable:  # superseded by the error this command reports
+                        self._error = None
+                future.set_exception(self._wrap(e, f"{kind} failed"))
+                continue
+            future.set_result(result)
+            if kind == "stop":
+                return
+
+    def _fail(self, exc: Exception, what: str, *, retryable: bool) -> None:
+        wrapped = self._wrap(exc, what)
+        logger.error("%s", wrapped)
+        with self._mutex:
+            if self._error is None or not retryable:
+                self._error, self._error_retryable = wrapped, retryable
+
+    def _wrap(self, exc: Exception, what: str) -> StoreWriteError:
+        if isinstance(exc, StoreWriteError):
+            return exc
+        rows = sum(len(c["ids"]) for c in self._chunks)
+        kept = (f"; {rows} buffered rows of {len(self._window_keys)} steps are kept in memory and the "
+                "next flush retries them") if rows else ""
+        error = StoreWriteError(f"gradient store {self.path} (rank {self.rank}): {what}: "
+                                f"{describe_os_error(exc)}{kept}")
+        error.__cause__ = exc
+        return error
+
+    def _ingest(self, record: GradientRecord) -> None:
+        """Encode one record, drop duplicate and non-finite rows, add the rest to the window."""
+        step, ids = record.step, record.ids
+        words = [encode_grads(record.grads[name].to("cpu"), self.dtype) for name in self.layers]
+        # duplicates: repeats inside the record, then keys already stored or already in the window
+        first = np.zeros(len(ids), dtype=bool)
+        first[np.unique(ids, return_index=True)[1]] = True
+        seen = [self._index.ids_at(step), *self._window_keys.get(step, [])]
+        duplicate = ~first | np.isin(ids, np.concatenate(seen))
+        bad = np.zeros(len(ids), dtype=bool)
+        for w in words:
+            bad |= nonfinite_rows(w, self.dtype)
+        bad &= ~duplicate
+        keep = ~duplicate & ~bad
+        with self._mutex:
+            counters = self._state.counters
+            counters["records_appended"] += 1
+            counters["rows_skipped_duplicate"] += int(duplicate.sum())
+            counters["rows_skipped_nonfinite"] += int(bad.sum())
+        self._manifest_dirty = True
+        if duplicate.any() and not self._warned_duplicates:
+            self._warned_duplicates = True
+            logger.warning("gradient store %s: skipping rows whose (id, step) is already stored, e.g. "
+                           "step %d ids %s (counted in stats; logged once)", self.path, step,
+                           ids[duplicate][:8].tolist())
+        if bad.any():
+            self._window_nonfinite.append((step, ids[bad]))
+        if not keep.any():
+            return
+        if not keep.all():
+            ids, words = ids[keep], [w[keep] for w in words]
+        n = len(ids)
+        self._chunks.append({"ids": ids, "steps": np.full(n, step, dtype=np.int64),
+                             "lr": np.full(n, record.lr), "loss_scale": np.full(n, record.loss_scale),
+                             "grads": words})
+        self._window_keys.setdefault(step, []).append(ids)
+
+    def _write_window(self) -> ShardInfo | None:
+        info = None
+        if self._chunks:
+            seq = self._state.next_seq
+            info = write_shard(self.path, self.rank, seq, self._chunks, len(self.layers), self.dtype,
+                               self._config.compression)
+            with self._mutex:
+                self._state.shards[seq] = info
+                self._state.next_seq = seq + 1
+                self._state.counters["rows_written"] += info.num_rows
+            self._index.add(info, {s: np.unique(np.concatenate(v)) for s, v in self._window_keys.items()})
+            self._chunks, self._window_keys = [], {}
+            self._manifest_dirty = True
+            self._warn_nonfinite(info)
+        if self._manifest_dirty:
+            write_manifest(self.path, self._state)
+            self._manifest_dirty = False
+        with self._mutex:
+            if self._error is not None and self._error_retryable:
+                self._error = None  # the window that failed before is durable now
+        return info
+
+    def _warn_nonfinite(self, info: ShardInfo) -> None:
+        if not self._window_nonfinite:
+            return
+        steps = sorted({s for s, _ in self._window_nonfinite})
+        ids = np.concatenate([i for _, i in self._window_nonfinite])
+        self._window_nonfinite = []
+        shown = ids[:16].tolist()
+        hint = " (values beyond ±65504 overflow float16; store.dtype=bfloat16 avoids that)" \
+            if self.dtype is StoreDType.FLOAT16 else ""
+        warnings.warn(f"gradient store {self.path}: skipped {len(ids)} rows with NaN/inf gradients at "
+                      f"steps {steps[0]}..{steps[-1]} (ids {shown}{' ...' if len(ids) > 16 else ''}) "
+                      f"before {info.file}{hint}", NonFiniteGradientWarning, stacklevel=2)
+
+    def _truncate(self, step: int) -> int:
+        dropped = 0
+        kept_chunks = []
+        for chunk in self._chunks:  # one step per chunk
+            if chunk["steps"][0] > step:
+                dropped += len(chunk["ids"])
+            else:
+                kept_chunks.append(chunk)
+        self._chunks = kept_chunks
+        self._window_keys = {s: v for s, v in self._window_keys.items() if s <= step}
+        self._window_nonfinite = [(s, i) for s, i in self._window_nonfinite if s <= step]
+
+        shards = self._state.shards
+        gone = [info for info in shards.values() if info.step_min > step]
+        partial = [info for info in shards.values() if info.step_min <= step < info.step_max]
+        prepared = []
+        try:
+            for info in partial:
+                chunk = _read_rows_up_to(self.path / info.file, step, len(self.layers))
+                tmp, new = prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
+                                         self.dtype, self._config.compression)
+                prepared.append((tmp, new, info.num_rows - new.num_rows))
+        except BaseException:
+            for tmp, _, _ in prepared:
+                tmp.unlink(missing_ok=True)
+            raise
+        # Manifest first, files second: a crash in between leaves files that disagree with the
+        # manifest, and files win at the next open (the truncation is then simply not applied).
+        with self._mutex:
+            for info in gone:
+                del shards[info.seq]
+                dropped += info.num_rows
+            for _, new, n_dropped in prepared:
+                shards[new.seq] = new
+                dropped += n_dropped
+            self._state.counters["rows_truncated"] += dropped
+        write_manifest(self.path, self._state)
+        for tmp, new, _ in prepared:
+            commit_shard(self.path, tmp, new)
+        for info in gone:
+            os.remove(self.path / info.file)
+        if gone:
+            fsync_dir(self.path / SHARD_DIR)
+        self._index = KeyIndex(self.path, [*shards.values(), *self._other_shards])
+        if dropped:
+            logger.info("gradient store %s: rank %d truncated after step %d: %d rows dropped",
+                        self.path, self.rank, step, dropped)
+        return dropped
+
+
+def _read_rows_up_to(path: Path, step: int, num_layers: int) -> dict[str, Any]:
+    """The rows of one shard with ``steps <= step``, in the chunk layout of :func:`prepare_shard`."""
+    with open_h5(path) as f:
+        keep = f["steps"][:] <= step
+        return {"ids": f["ids"][:][keep], "steps": f["steps"][:][keep], "lr": f["lr"][:][keep],
+                "loss_scale": f["loss_scale"][:][keep],
+                "grads": [f[f"grads/L{i:04d}"][:][keep] for i in range(num_layers)]}
+
+
+def _make_writable_dir(root: Path, rank: int) -> None:
+    """Create ``root`` (and ``shards/``) and prove it writable with a probe file, or raise StoreError."""
+    try:
+        (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-r{rank:05d}-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"olmo_tda")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        raise StoreError(f"cannot create a gradient store at {root}: {describe_os_error(e)}. Set "
+                         "store.path to a directory on a writable filesystem (not below a file, "
+                         "not read-only)") from e

@@ -1,0 +1,678 @@
+"""The gradient store: exact round trips, crash safety (real SIGKILLs), errors users can act on.
+
+Oracles: the data written is known (random tensors kept in the test, or the workers' deterministic
+function of (id, step, layer)), so every read is compared exactly — bitwise for float32, and for
+16-bit dtypes against torch's own rounding of the same values.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import _store_kill_worker as worker
+from olmo_tda.config import StoreConfig
+from olmo_tda.store import (
+    GradientRecord,
+    GradientStore,
+    NonFiniteGradientWarning,
+    StoreCorruptError,
+    StoreError,
+    StoreMismatchError,
+    StoreWriteError,
+    StoreWriter,
+)
+from olmo_tda.store import writer as writer_module
+
+META = worker.META
+LAYERS = [layer["name"] for layer in worker.LAYERS]
+
+
+def random_records(steps, rows_per_step=3, seed=0, layers=worker.LAYERS):
+    """Records with random float32 gradients (kept by the caller as the oracle)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for step in steps:
+        ids = np.arange(rows_per_step, dtype=np.int64) + 10 * step
+        grads = {layer["name"]: torch.randn(rows_per_step, *layer["shape"], generator=gen) * 3.0
+                 for layer in layers}
+        out.append(GradientRecord(ids=ids, step=step, lr=0.1 / (step + 1), loss_scale=2.0 + step, grads=grads))
+    return out
+
+
+def expected_rows(records):
+    """``{(id, step): (lr, loss_scale, {layer: [k_out, k_in]})}`` of a list of records."""
+    rows = {}
+    for r in records:
+        for i, ex in enumerate(r.ids):
+            rows[(int(ex), r.step)] = (r.lr, r.loss_scale, {n: g[i] for n, g in r.grads.items()})
+    return rows
+
+
+def rows_of(block):
+    return {(int(i), int(s)): k for k, (i, s) in enumerate(zip(block.ids, block.steps))}
+
+
+def tmp_files(path):
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*.tmp"))
+
+
+def write_store(path, records, **config):
+    with GradientStore.create(path, META, StoreConfig(**config)) as w:
+        for r in records:
+            w.append(r)
+    return GradientStore.open(path)
+
+
+def check_worker_rows(store):
+    """Every row equals the workers' deterministic data; no duplicate keys. Returns the set of steps."""
+    block = store.read_all()
+    keys = list(zip(block.ids.tolist(), block.steps.tolist()))
+    assert len(keys) == len(set(keys)), "duplicate (id, step) rows"
+    for k, (ex, step) in enumerate(keys):
+        assert block.lr[k] == worker.lr_at(step) and block.loss_scale[k] == worker.loss_scale_at(step)
+        for li, layer in enumerate(worker.LAYERS):
+            want = torch.from_numpy(worker.expected_grad(ex, step, li, layer["shape"]))
+            assert torch.equal(block.grads[layer["name"]][k], want), (ex, step, layer["name"])
+    steps = set(block.steps.tolist())
+    for step in steps:  # a step is written by one window: all of its rows or none
+        assert sorted(block.ids[block.steps == step].tolist()) == sorted(worker.ids_at(step).tolist())
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------
+# round trips
+
+
+def test_float32_round_trip_is_bitwise_with_layer_subsets_and_any_block_size(tmp_path):
+    records = random_records(range(7), rows_per_step=3)
+    store = write_store(tmp_path / "s", records, flush_every=2)
+    want = expected_rows(records)
+    full = store.read_all()
+    assert len(full) == len(want) == store.num_rows == 21
+    assert store.steps.tolist() == list(range(7)) and store.num_examples == 21
+    assert [s.seq for s in store.shards] == [0, 1, 2, 3]  # windows of 2 steps: 0-1, 2-3, 4-5, 6
+    for k, key in enumerate(zip(full.ids.tolist(), full.steps.tolist())):
+        lr, scale, grads = want[key]
+        assert full.lr[k] == lr and full.loss_scale[k] == scale
+        for name in LAYERS:
+            assert full.grads[name].dtype == torch.float32
+            assert torch.equal(full.grads[name][k], grads[name])  # bitwise
+    for block_size in (1, 2, 5, 8, 100):
+        blocks = list(store.iter_blocks(layers=[LAYERS[1]], block_size=block_size))
+        assert all(len(b) == block_size for b in blocks[:-1]) and 0 < len(blocks[-1]) <= block_size
+        assert all(list(b.grads) == [LAYERS[1]] for b in blocks)
+        assert np.array_equal(np.concatenate([b.ids for b in blocks]), full.ids)
+        assert np.array_equal(np.concatenate([b.steps for b in blocks]), full.steps)
+        assert torch.equal(torch.cat([b.grads[LAYERS[1]] for b in blocks]), full.grads[LAYERS[1]])
+
+
+@pytest.mark.parametrize("compression", ["gzip", "lzf"])
+def test_compressed_round_trip_is_bitwise(tmp_path, compression):
+    records = random_records(range(5), rows_per_step=4, seed=15)
+    store = write_store(tmp_path / "s", records, flush_every=3, compression=compression)
+    want = expected_rows(records)
+    for block in store.iter_blocks(block_size=3):
+        for k, key in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
+            for name in LAYERS:
+                assert torch.equal(block.grads[name][k], want[key][2][name])
+    assert store.num_rows == 20
+
+
+def test_step_and_id_filters_match_brute_force(tmp_path):
+    records = random_records(range(6), rows_per_step=4)
+    store = write_store(tmp_path / "s", records, flush_every=4)
+    full = store.read_all()
+    steps, ids = [1, 4, 5, 99], [10, 12, 41, 52, 7]
+    mask = np.isin(full.steps, steps) & np.isin(full.ids, ids)
+    for block_size in (1, 3, 64):
+        blocks = list(store.iter_blocks(block_size=block_size, steps=steps, ids=ids))
+        got_ids = np.concatenate([b.ids for b in blocks])
+        assert np.array_equal(got_ids, full.ids[mask])
+        assert torch.equal(torch.cat([b.grads[LAYERS[0]] for b in blocks]), full.grads[LAYERS[0]][mask])
+    assert len(store.read_all(steps=[1000])) == 0
+    with pytest.raises(KeyError, match="did you mean 'blocks.0.att_proj'"):
+        store.read_all(layers=["blocks.0.att_prj"])
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_16bit_round_trip_equals_torch_rounding(tmp_path, dtype, torch_dtype):
+    records = random_records(range(3), rows_per_step=5, seed=1)
+    store = write_store(tmp_path / "s", records, flush_every=2, dtype=dtype)
+    assert store.meta["dtype"] == dtype
+    block = store.read_all()
+    want = expected_rows(records)
+    for k, key in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
+        for name in LAYERS:
+            rounded = want[key][2][name].to(torch_dtype).float()
+            assert torch.equal(block.grads[name][k], rounded)
+            assert not torch.equal(rounded, want[key][2][name])  # the rounding is real, not a no-op
+    # 2 bytes per value on disk
+    import h5py
+
+    for shard in store.shards:
+        with h5py.File(tmp_path / "s" / shard.file, "r") as f:
+            for i, layer in enumerate(worker.LAYERS):
+                ds = f[f"grads/L{i:04d}"]
+                assert ds.id.get_storage_size() == 2 * shard.num_rows * np.prod(layer["shape"])
+
+
+def test_store_json_is_self_describing_and_summary(tmp_path):
+    meta = {**META, "extra": {"data_fingerprint": "abc123"}}
+    with GradientStore.create(tmp_path / "s", meta, StoreConfig(dtype="bfloat16")) as w:
+        for r in random_records(range(2)):
+            w.append(r)
+    stored = json.loads((tmp_path / "s" / "store.json").read_text())
+    assert stored["format"] == "olmo_tda.store" and stored["format_version"] == 1
+    assert stored["gradient_convention"] == "sum_token_loss" and stored["representation"] == "dense"
+    assert stored["dtype"] == "bfloat16" and stored["library_version"] == "0.1.0"
+    assert stored["layers"] == worker.LAYERS and stored["capture"] == META["capture"]
+    assert stored["projector_hash"] == "kill-test" and stored["extra"] == {"data_fingerprint": "abc123"}
+    summary = GradientStore.open(tmp_path / "s").summary()
+    json.dumps(summary)  # plain values only
+    assert summary["num_rows"] == 6 and summary["steps"] == {"count": 2, "min": 0, "max": 1}
+    assert summary["layers"] == [{"name": n, "shape": s} for n, s in
+                                 [(layer["name"], layer["shape"]) for layer in worker.LAYERS]]
+    assert summary["stats"]["rows_written"] == 6 and summary["shards"] == 1 and summary["dtype"] == "bfloat16"
+
+
+def test_a_store_without_rows_reads_as_empty(tmp_path):
+    w = GradientStore.create(tmp_path / "s", META, StoreConfig())
+    store = GradientStore.open(tmp_path / "s")  # while the writer is open, before any shard
+    assert store.num_rows == 0 and store.num_examples == 0 and len(store.steps) == 0
+    empty = store.read_all(layers=[LAYERS[1]])
+    assert len(empty) == 0 and empty.grads[LAYERS[1]].shape == (0, 4, 4)
+    assert store.summary()["steps"] == {"count": 0, "min": None, "max": None}
+    w.close()
+    assert GradientStore.open(tmp_path / "s").num_rows == 0
+    with pytest.raises(StoreError, match="closed"):
+        w.append(random_records([0])[0])
+
+
+def test_bad_meta_and_bad_records_are_refused_in_the_caller(tmp_path):
+    with pytest.raises(ValueError, match="projector_hash"):
+        GradientStore.create(tmp_path / "a", {"capture": {}, "layers": worker.LAYERS}, StoreConfig())
+    dup = {**META, "layers": [worker.LAYERS[0], worker.LAYERS[0]]}
+    with pytest.raises(ValueError, match="duplicate"):
+        GradientStore.create(tmp_path / "b", dup, StoreConfig())
+    with GradientStore.create(tmp_path / "c", META, StoreConfig()) as w:
+        rec = random_records([0])[0]
+        del rec.grads[LAYERS[1]]
+        with pytest.raises(ValueError, match="missing=\\['blocks.1/ff_out'\\]"):
+            w.append(rec)
+        rec = random_records([0])[0]
+        rec.grads[LAYERS[1]] = torch.zeros(3, 4, 5)
+        with pytest.raises(ValueError, match=r"expected \[N, 4, 4\]"):
+            w.append(rec)
+
+
+# ---------------------------------------------------------------------------------------------
+# append, reopen, truncate
+
+
+def test_reopen_continues_seq_numbering_and_skips_duplicates(tmp_path, caplog):
+    path = tmp_path / "s"
+    first = random_records(range(6), seed=2)
+    write_store(path, first, flush_every=2)
+    second = random_records(range(4, 9), seed=3)  # steps 4, 5 overlap: same keys, different values
+    with GradientStore.create(path, META, StoreConfig(flush_every=2)) as w:
+        for r in second:
+            w.append(r)
+        # a record repeating an id within itself, and a repeat of a buffered key
+        rec = random_records([9], seed=4)[0]
+        rec.ids[:] = [90, 91, 90]
+        w.append(rec)
+        w.append(random_records([9], seed=5)[0])
+        w.flush()  # stats count what the writer thread has processed
+        stats = w.stats
+    assert stats["rows_skipped_duplicate"] == 6 + 1 + 2  # steps 4-5 on disk; id 90 twice; 90, 91 buffered
+    assert "already stored" in caplog.text
+    store = GradientStore.open(path)
+    assert [s.seq for s in store.shards] == [0, 1, 2, 3, 4, 5]
+    block = store.read_all()
+    keys = list(zip(block.ids.tolist(), block.steps.tolist()))
+    assert len(keys) == len(set(keys)) == 6 * 3 + 3 * 3 + 3
+    want = {**expected_rows(second), **expected_rows(first)}  # the first write of a key wins
+    for k, key in enumerate(keys):
+        if key[1] < 9:
+            assert torch.equal(block.grads[LAYERS[0]][k], want[key][2][LAYERS[0]])
+    assert store.stats["rows_written"] == 30 and store.stats["records_appended"] == 13
+
+
+def test_truncate_after_drops_later_steps_then_appending_resumes(tmp_path):
+    path = tmp_path / "s"
+    records = random_records(range(10), seed=6)
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        for r in records:
+            w.append(r)  # shards: steps 0-2, 3-5, 6-8; step 9 buffered
+        assert w.truncate_after(4) == 5 * 3
+        assert w.stats["rows_truncated"] == 15
+        assert w.truncate_after(4) == 0  # idempotent
+    store = GradientStore.open(path)
+    assert store.steps.tolist() == [0, 1, 2, 3, 4]
+    assert [(s.seq, s.step_min, s.step_max) for s in store.shards] == [(0, 0, 2), (1, 3, 4)]
+    assert not (path / "shards" / "r00000-00000002.h5").exists() and tmp_files(path) == []
+    want = expected_rows(records)
+    block = store.read_all()
+    for k, key in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
+        assert torch.equal(block.grads[LAYERS[1]][k], want[key][2][LAYERS[1]])
+    # resume: steps 5.. are appended again without being mistaken for duplicates
+    again = random_records(range(5, 8), seed=7)
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        for r in again:
+            w.append(r)
+        assert w.stats["rows_skipped_duplicate"] == 0
+    store = GradientStore.open(path)
+    assert store.steps.tolist() == list(range(8)) and store.num_rows == 24
+    assert store.shards[-1].seq == 3  # seq numbers are never reused
+
+
+@pytest.mark.parametrize("change,stored_text,requested_text", [
+    ({"projector_hash": "other-hash"}, '"kill-test"', '"other-hash"'),
+    ({"capture": {"proj_dim": [6, 12], "seed": 0}}, "[6, 10]", "[6, 12]"),
+    ({"layers": [worker.LAYERS[0], {**worker.LAYERS[1], "shape": [4, 8]}]}, "[4, 4]", "[4, 8]"),
+    ({"dtype": "float16"}, '"float32"', '"float16"'),
+])
+def test_mismatched_append_is_refused_showing_both_sides(tmp_path, change, stored_text, requested_text):
+    path = tmp_path / "s"
+    write_store(path, random_records(range(1)))
+    meta = {**META, **{k: v for k, v in change.items() if k != "dtype"}}
+    config = StoreConfig(dtype=change.get("dtype", "float32"))
+    with pytest.raises(StoreMismatchError) as info:
+        GradientStore.create(path, meta, config)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert stored_text in message and requested_text in message and str(path) in message
+    assert f"stored:    {stored_text}" in message and f"requested: {requested_text}" in message
+    GradientStore.create(path, META, StoreConfig()).close()  # the original settings still work
+
+
+def test_second_writer_of_the_same_rank_is_refused_and_ranks_are_independent(tmp_path):
+    path = tmp_path / "s"
+    w0 = GradientStore.create(path, META, StoreConfig(flush_every=1))
+    with pytest.raises(StoreError, match="already being written"):
+        GradientStore.create(path, META, StoreConfig())
+    w1 = GradientStore.create(path, META, StoreConfig(flush_every=1), rank=1)
+    w0.append(random_records([0], seed=1)[0])
+    rec = random_records([0], seed=2)[0]
+    rec.ids += 1000
+    w1.append(rec)
+    w0.close()
+    w1.close()
+    store = GradientStore.open(path)
+    assert sorted(s.file for s in store.shards) == ["shards/r00000-00000000.h5", "shards/r00001-00000000.h5"]
+    assert store.num_rows == 6 and store.summary()["ranks"] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite rows
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("float32", torch.float32), ("float16", torch.float16),
+                                               ("bfloat16", torch.bfloat16)])
+def test_nonfinite_rows_are_skipped_counted_and_warned(tmp_path, dtype, torch_dtype):
+    path = tmp_path / "s"
+    records = random_records(range(2), rows_per_step=4, seed=8)
+    records[0].grads[LAYERS[0]][1, 2, 3] = float("nan")
+    records[1].grads[LAYERS[1]][3, 0, 0] = float("-inf")
+    with GradientStore.create(path, META, StoreConfig(flush_every=10, dtype=dtype)) as w:
+        for r in records:
+            w.append(r)
+        with pytest.warns(NonFiniteGradientWarning, match=r"skipped 2 rows .*ids \[1, 13\]"):
+            w.flush()
+        assert w.stats["rows_skipped_nonfinite"] == 2
+    store = GradientStore.open(path)
+    assert store.stats["rows_skipped_nonfinite"] == 2
+    block = store.read_all()
+    assert sorted(zip(block.ids.tolist(), block.steps.tolist())) == [(0, 0), (2, 0), (3, 0), (10, 1), (11, 1), (12, 1)]
+    want = expected_rows(records)
+    for k, key in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
+        for name in LAYERS:
+            assert torch.equal(block.grads[name][k], want[key][2][name].to(torch_dtype).float())
+
+
+def test_float16_overflow_counts_as_nonfinite_with_a_hint(tmp_path):
+    rec = random_records([0], rows_per_step=3, seed=9)[0]
+    rec.grads[LAYERS[0]][2] *= 1e5  # finite in float32, inf in float16
+    with GradientStore.create(tmp_path / "s", META, StoreConfig(dtype="float16")) as w:
+        w.append(rec)
+        with pytest.warns(NonFiniteGradientWarning, match="bfloat16"):
+            w.flush()
+    assert GradientStore.open(tmp_path / "s").read_all().ids.tolist() == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# creation and write errors
+
+
+def test_unwritable_location_raises_store_error_naming_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for path in (blocker / "store", blocker):
+        with pytest.raises(StoreError, match="cannot create a gradient store at") as info:
+            GradientStore.create(path, META, StoreConfig())
+        assert str(path) in str(info.value) and "store.path" in str(info.value)
+    with pytest.raises(StoreError, match="not a gradient store"):
+        GradientStore.open(tmp_path)
+
+
+def test_write_failure_surfaces_in_caller_and_the_window_is_retried(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    records = random_records(range(4), seed=10)
+    real = writer_module.write_shard
+    failures = {"left": 1}
+
+    def flaky_write_shard(*args, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*args, **kwargs)
+
+    w = GradientStore.create(path, META, StoreConfig(flush_every=2))
+    w.append(records[0])
+    w.append(records[1])
+    w.flush()
+    monkeypatch.setattr(writer_module, "write_shard", flaky_write_shard)
+    w.append(records[2])
+    w.append(records[3])  # the writer thread now fails to write steps 2-3
+    deadline = time.monotonic() + 10
+    while w._error is None and time.monotonic() < deadline:  # the thread records its failure
+        time.sleep(0.01)
+    with pytest.raises(StoreWriteError, match="disk is full") as info:
+        w.append(random_records([4], seed=11)[0])
+    assert str(path) in str(info.value) and "retries" in str(info.value)
+    w.close()  # retries the buffered window: succeeds now
+    store = GradientStore.open(path)
+    assert store.steps.tolist() == [0, 1, 2, 3] and tmp_files(path) == []
+
+
+def _mount_tmpfs(where: Path, options: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+def test_disk_full_on_a_real_tiny_filesystem(tmp_path):
+    """ENOSPC from a 256 KiB tmpfs; needs mount rights (root). The rlimit test below always runs."""
+    mnt = tmp_path / "mnt"
+    if not _mount_tmpfs(mnt, "size=256k"):
+        pytest.skip("cannot mount a tmpfs here (not root); test_disk_full_rlimit_in_subprocess covers EFBIG")
+    try:
+        path = mnt / "s"
+        w = GradientStore.create(path, META, StoreConfig(flush_every=1000))
+        w.append(worker.make_record(0))
+        first = w.flush()
+        w.append(worker.make_record(1, rows=1200))  # ~360 KB: more than the filesystem holds
+        with pytest.raises(StoreWriteError, match="the disk is full") as info:
+            w.flush()
+        assert str(path) in str(info.value)
+        assert tmp_files(path) == []
+        assert [s.file for s in GradientStore.open(path).shards] == [first.file]
+        subprocess.run(["mount", "-o", "remount,size=2m", str(mnt)], check=True)
+        assert w.flush().num_rows == 1200  # the window stayed buffered; retry succeeds
+        w.close()
+        assert GradientStore.open(path).num_rows == 4 + 1200
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        with pytest.raises(StoreError, match="not writable"):
+            GradientStore.create(mnt / "other", META, StoreConfig())
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# corruption and recovery
+
+
+def test_truncated_shard_raises_corrupt_error_and_repair_quarantines_it(tmp_path):
+    path = tmp_path / "s"
+    write_store(path, random_records(range(6), seed=12), flush_every=2)
+    victim = path / "shards" / "r00000-00000001.h5"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(StoreCorruptError, match="r00000-00000001.h5") as info:
+        GradientStore.open(path)
+    assert "repair=True" in str(info.value)
+    with pytest.raises(StoreCorruptError, match="r00000-00000001.h5"):
+        GradientStore.create(path, META, StoreConfig())  # a writer refuses too
+    with pytest.warns(RuntimeWarning, match="quarantine"):
+        store = GradientStore.open(path, repair=True)
+    assert store.steps.tolist() == [0, 1, 4, 5]
+    assert (path / "quarantine" / "r00000-00000001.h5").exists() and not victim.exists()
+    assert GradientStore.open(path).steps.tolist() == [0, 1, 4, 5]  # the manifest was updated
+    with GradientStore.create(path, META, StoreConfig(flush_every=2)) as w:
+        for r in random_records([2, 3], seed=13):
+            w.append(r)
+    assert GradientStore.open(path).steps.tolist() == list(range(6))
+
+
+def test_missing_listed_shard_is_an_error_unless_repairing(tmp_path):
+    path = tmp_path / "s"
+    write_store(path, random_records(range(4), seed=14), flush_every=2)
+    (path / "shards" / "r00000-00000000.h5").unlink()
+    with pytest.raises(StoreCorruptError, match="r00000-00000000.h5.*missing"):
+        GradientStore.open(path)
+    with pytest.warns(RuntimeWarning, match="dropping missing shard"):
+        assert GradientStore.open(path, repair=True).steps.tolist() == [2, 3]
+    assert GradientStore.open(path).num_rows == 6
+
+
+def test_reader_leaves_a_live_writers_tmp_files_alone(tmp_path):
+    path = tmp_path / "s"
+    w = GradientStore.create(path, META, StoreConfig(flush_every=1))
+    w.append(random_records([0])[0])
+    w.flush()
+    fake = path / "shards" / "r00000-00000007.h5.tmp"  # as if the writer were mid-write
+    fake.write_bytes(b"partial")
+    store = GradientStore.open(path)  # while the writer is open: sees the durable shard
+    assert store.num_rows == 3 and fake.exists()
+    w.append(random_records([1])[0])
+    w.flush()
+    assert store.num_rows == 3
+    store.refresh()
+    assert store.num_rows == 6
+    w.close()
+    GradientStore.open(path)
+    assert not fake.exists()  # the writer is gone: its temp files are debris
+
+
+def test_back_pressure_blocks_append_instead_of_queueing_unboundedly(tmp_path, monkeypatch):
+    real_ingest = StoreWriter._ingest
+    outstanding = {"now": 0, "max": 0}
+    lock = threading.Lock()
+
+    def slow_ingest(self, record):
+        time.sleep(0.1)
+        with lock:
+            outstanding["now"] -= 1
+        real_ingest(self, record)
+
+    monkeypatch.setattr(StoreWriter, "_ingest", slow_ingest)
+    records = random_records(range(8))
+    w = GradientStore.create(tmp_path / "s", META, StoreConfig(flush_every=100, queue_size=1))
+    start = time.monotonic()
+    for r in records:
+        with lock:
+            outstanding["now"] += 1
+            outstanding["max"] = max(outstanding["max"], outstanding["now"])
+        w.append(r)
+        assert w._queue.qsize() <= 1
+    elapsed = time.monotonic() - start
+    w.close()
+    # one record in the queue + one being ingested (+1 counted before its append blocks)
+    assert outstanding["max"] <= 3
+    assert elapsed >= 0.1 * (len(records) - 2) * 0.9  # append waited for the writer
+    assert GradientStore.open(tmp_path / "s").num_rows == 24
+
+
+# ---------------------------------------------------------------------------------------------
+# crashes: real SIGKILLs of writer processes
+
+
+class Zygote:
+    """Client of tests/_store_kill_worker.py: forks pre-imported writer processes on request."""
+
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, str(Path(worker.__file__))], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self._buf = b""
+        self.read(lambda m: m.get("event") == "zygote-ready", timeout=60)
+
+    def read(self, match, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                message = json.loads(line)
+                if message.get("event") == "error":
+                    raise AssertionError(f"worker failed: {message['error']}")
+                if match(message):
+                    return message
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError("no answer from the store worker")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError("store worker exited")
+            self._buf += chunk
+
+    def start(self, task, **args) -> int:
+        self.proc.stdin.write((json.dumps({"task": task, **args}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self.read(lambda m: "pid" in m and "exit" not in m and "event" not in m)["pid"]
+
+    def wait_exit(self, pid, timeout=20.0) -> int:
+        return self.read(lambda m: m.get("pid") == pid and "exit" in m, timeout)["exit"]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+        self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+def test_sigkill_at_random_moments_never_leaves_partial_or_duplicate_rows(tmp_path, zygote):
+    path = tmp_path / "s"
+    GradientStore.create(path, META, StoreConfig()).close()
+    rng = random.Random(1234)
+    next_step = 0
+    for trial in range(12):
+        # resume a little before the last durable step, as a restarted run would: overlap is skipped
+        start = max(0, next_step - 3)
+        pid = zygote.start("append_loop", path=str(path), start_step=start, flush_every=2, step_sleep=0.002)
+        zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "ready")
+        time.sleep(rng.uniform(0.0, 0.25))
+        os.kill(pid, signal.SIGKILL)
+        status = zygote.wait_exit(pid)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        store = GradientStore.open(path)
+        assert tmp_files(path) == [], f"trial {trial}"
+        steps = check_worker_rows(store)
+        # windows are durable in order, so the durable steps are a prefix 0..max without gaps
+        assert steps == set(range(len(steps))), f"trial {trial}: gaps in {sorted(steps)}"
+        next_step = len(steps)
+    assert next_step > 4  # the children did make progress
+    # a final writer in this process continues the sequence with overlap
+    with GradientStore.create(path, META, StoreConfig(flush_every=2)) as w:
+        for step in range(next_step - 2, next_step + 5):
+            w.append(worker.make_record(step))
+        assert w.stats["rows_skipped_duplicate"] >= 2 * worker.ROWS_PER_STEP
+    steps = check_worker_rows(GradientStore.open(path))
+    assert steps == set(range(next_step + 5))
+
+
+@pytest.mark.parametrize("crash_at", ["before_rename", "before_manifest"])
+def test_crash_at_each_point_of_the_write_protocol(tmp_path, zygote, crash_at):
+    path = tmp_path / "s"
+    pid = zygote.start("append_loop", path=str(path), start_step=0, flush_every=2, max_steps=20,
+                       crash_at=crash_at, crash_after=3)
+    status = zygote.wait_exit(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    shard_files = sorted(p.name for p in (path / "shards").iterdir())
+    manifest = json.loads((path / "manifest-r00000.json").read_text())
+    listed = sorted(Path(s["file"]).name for s in manifest["shards"])
+    if crash_at == "before_rename":
+        assert "r00000-00000002.h5.tmp" in shard_files and len(listed) == 2
+        expected_steps = set(range(4))
+    else:  # the third shard is in place but the manifest does not list it yet
+        assert "r00000-00000002.h5" in shard_files and len(listed) == 2
+        expected_steps = set(range(6))
+    store = GradientStore.open(path)
+    assert check_worker_rows(store) == expected_steps and tmp_files(path) == []
+    with GradientStore.create(path, META, StoreConfig(flush_every=2)) as w:  # persists the adoption
+        assert len(json.loads((path / "manifest-r00000.json").read_text())["shards"]) == len(expected_steps) // 2
+        for step in range(3, 10):
+            w.append(worker.make_record(step))
+    assert check_worker_rows(GradientStore.open(path)) == set(range(10))
+    assert [s.seq for s in GradientStore.open(path).shards] == list(range(5))
+
+
+def test_crash_inside_truncate_leaves_a_consistent_store_and_truncate_can_be_redone(tmp_path, zygote):
+    path = tmp_path / "s"
+    pid = zygote.start("append_loop", path=str(path), start_step=0, flush_every=2, max_steps=10)
+    zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "closed")
+    assert zygote.wait_exit(pid) == 0
+    pid = zygote.start("truncate_crash", path=str(path), step=4)  # rewrites 4-5, drops 6-9
+    status = zygote.wait_exit(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    store = GradientStore.open(path)  # files win over the already-rewritten manifest
+    assert check_worker_rows(store) == set(range(10)) and tmp_files(path) == []
+    with GradientStore.create(path, META, StoreConfig(flush_every=2)) as w:
+        w.truncate_after(4)
+    assert check_worker_rows(GradientStore.open(path)) == set(range(5))
+
+
+def test_disk_full_rlimit_in_subprocess(tmp_path, zygote):
+    """EFBIG via RLIMIT_FSIZE (works without root): caller sees StoreWriteError, nothing durable is lost."""
+    path = tmp_path / "s"
+    pid = zygote.start("disk_full", path=str(path), limit_bytes=40_000, big_rows=200)
+    result = zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "result")
+    assert zygote.wait_exit(pid) == 0
+    assert result["error"] is not None and "file too large" in result["error"] and str(path) in result["error"]
+    assert result["tmp_after_failure"] == []
+    assert result.get("retry_error") is None and result["retry_rows"] == 200
+    store = GradientStore.open(path)
+    assert store.num_rows == worker.ROWS_PER_STEP + 200 and tmp_files(path) == []
+    assert sorted(set(store.steps.tolist())) == [0, 1]
+
+
+def test_no_pickle_on_the_read_path(tmp_path, monkeypatch):
+    import pickle
+
+    write_store(tmp_path / "s", random_records(range(3)), flush_every=1)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pickle used on the read path")
+
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    store = GradientStore.open(tmp_path / "s")
+    assert len(store.read_all()) == 9 and store.summary()["num_rows"] == 9
+
+
+def test_warnings_module_is_quiet_for_clean_data(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_store(tmp_path / "s", random_records(range(3)), flush_every=1).read_all()
