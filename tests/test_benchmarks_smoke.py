@@ -1,0 +1,45 @@
+"""Benchmarks stay runnable: each runs at toy size and ends with one JSON line of its headline keys.
+(The numbers themselves are measured at full size and recorded in docs/BENCHMARKS.md.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _last_json(script, *args):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], check=True,
+                         capture_output=True, text=True, timeout=600).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_capture_overhead_runs():
+    res = _last_json("capture_overhead.py", "--d-model", "64", "--n-layers", "1", "--seq", "16", "--batch", "2",
+                     "--vocab", "128", "--steps", "2")
+    assert res["benchmark"] == "capture_overhead" and res["ratio_k16"] > 0 and res["ratio_k64"] > 0
+
+
+def test_projection_fidelity_runs():
+    res = _last_json("projection_fidelity.py", "--d-models", "64", "--steps", "5", "--num-train", "16",
+                     "--num-queries", "2", "--ks", "64", "--kinds", "orthogonal", "--seeds", "1")
+    assert 0.0 < res["spearman_d64_orthogonal_k64"] <= 1.0
+
+
+@pytest.mark.slow
+def test_full_demo_under_five_minutes(tmp_path, capsys):
+    import time
+
+    from olmo_tda.cli import main
+
+    t0 = time.perf_counter()
+    assert main(["demo", "--no-progress", "--out", str(tmp_path)]) == 0
+    assert time.perf_counter() - t0 < 300
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    hits = int(last.split("hit rate ")[1].split("/")[0])
+    assert hits >= 7, last
