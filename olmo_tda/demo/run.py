@@ -46,7 +46,7 @@ class DemoConfig:
     d_model: int = 128
     n_layers: int = 2
     lr: float = 3e-3
-    proj_dim: int = 32
+    proj_dim: int = 16
     store_dtype: StoreDType = StoreDType.FLOAT16
     num_self_queries: int = 8
     top_k: int = 5
