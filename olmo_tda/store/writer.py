@@ -149,8 +149,11 @@ class StoreWriter:
 
         The store takes the record's tensors over: do not modify them afterwards. GPU tensors are
         copied to CPU in the writer thread, so they must be ready on the current CUDA stream.
+
+        An error of an earlier background write is raised *after* this record is queued, so a loop
+        that catches :class:`StoreWriteError` and carries on loses no record (the failed window is
+        retried at the next flush).
         """
-        self._raise_pending()
         self._check_open()
         names = set(record.grads)
         if names != set(self.layers):
@@ -165,6 +168,7 @@ class StoreWriter:
                               lr=float(record.lr), loss_scale=float(record.loss_scale),
                               grads={name: g.detach() for name, g in record.grads.items()})
         self._put(item)
+        self._raise_pending()
 
     def flush(self) -> ShardInfo | None:
         """Write the buffered window as a shard now and wait until it is durable.
