@@ -64,6 +64,11 @@ def _check(ok: bool, path: str, message: str) -> None:
         raise ConfigError(f"{path}: {message}")
 
 
+def _check_types(obj: Any, path: str) -> None:
+    """Type-check a config built directly in Python as strictly as one parsed from YAML."""
+    _parse_dataclass(type(obj), {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, path)
+
+
 @dataclass(kw_only=True)
 class CaptureConfig:
     """What is captured: which Linear layers, projected how."""
@@ -83,6 +88,7 @@ class CaptureConfig:
     """Capture a layer's bias gradient as one extra input column (only for layers with a bias)."""
 
     def validate(self, path: str = "capture") -> None:
+        _check_types(self, path)
         dims = self.proj_dims
         _check(all(d >= 0 for d in dims), f"{path}.proj_dim", f"must be >= 0, got {self.proj_dim!r}")
         _check((dims[0] == 0) == (dims[1] == 0), f"{path}.proj_dim",
@@ -118,6 +124,7 @@ class StoreConfig:
     """HDF5 filter for gradient datasets (``None`` or ``"lzf"``/``"gzip"``); off by default for speed."""
 
     def validate(self, path: str = "store") -> None:
+        _check_types(self, path)
         _check(self.flush_every >= 1, f"{path}.flush_every", f"must be >= 1, got {self.flush_every}")
         _check(self.queue_size >= 1, f"{path}.queue_size", f"must be >= 1, got {self.queue_size}")
         _check(self.compression in (None, "lzf", "gzip"), f"{path}.compression",
@@ -134,6 +141,7 @@ class TDAConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def validate(self, path: str = "tda") -> None:
+        _check_types(self, path)
         self.capture.validate(f"{path}.capture")
         self.store.validate(f"{path}.store")
 
@@ -153,7 +161,8 @@ class TDAConfig:
             raw = {}
         _check(isinstance(raw, dict), str(file), f"expected a mapping at top level, got {type(raw).__name__}")
         if section is not None:
-            raw = raw.get(section) or {}
+            raw = raw.get(section)
+            raw = {} if raw is None else raw
             _check(isinstance(raw, dict), section, f"expected a mapping, got {type(raw).__name__}")
         data = apply_overrides(raw, overrides or [], path=section or "tda")
         return cls.from_dict(data, path=section or "tda")

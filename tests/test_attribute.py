@@ -86,3 +86,21 @@ def test_memory_is_bounded_by_block_size(store_and_data, monkeypatch):
     res = attribute(store, queries, top_k=4, block_size=8)
     assert max(seen) <= 8 and sum(seen) == 70
     assert res.scores.shape == (4, 4) and res.all_scores is None
+
+
+def test_queries_from_other_projectors_are_refused(tmp_path):
+    from olmo_tda import CaptureConfig, GradientCapture
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    x = torch.randn(4, 6)
+    caps = [GradientCapture(model, CaptureConfig(proj_dim=4, seed=s)) for s in (0, 1)]
+    # both captures see the same backward; each records it with its own projectors
+    with caps[0].record(range(4)) as rec0, caps[1].record(range(4)) as rec1:
+        model(x).pow(2).sum().backward()
+    with GradientStore.create(tmp_path / "s", caps[0].store_metadata(), StoreConfig()) as store:
+        store.append(rec0.to_record(step=0, lr=1.0))
+    assert attribute(tmp_path / "s", rec0, top_k=1).ids[0, 0] >= 0          # same projectors: fine
+    with pytest.raises(ValueError, match="projected with projectors .* the store with"):
+        attribute(tmp_path / "s", rec1, top_k=1)
+    with pytest.raises(ValueError, match="projected with projectors"):
+        attribute(tmp_path / "s", rec1.dense(), top_k=1, projector_hash=caps[1].projector_hash)

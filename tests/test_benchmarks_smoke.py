@@ -21,7 +21,7 @@ def _last_json(script, *args):
 
 def test_capture_overhead_runs():
     res = _last_json("capture_overhead.py", "--d-model", "64", "--n-layers", "1", "--seq", "16", "--batch", "2",
-                     "--vocab", "128", "--steps", "2")
+                     "--vocab", "128", "--rounds", "1", "--block", "1")
     assert res["benchmark"] == "capture_overhead" and res["ratio_k16"] > 0 and res["ratio_k64"] > 0
 
 

@@ -63,19 +63,66 @@ def test_olmo_gradient_accumulation():
     assert max(errs.values()) < TOL, errs
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_olmo_activation_checkpointing(reentrant):
-    from functools import partial
+def test_olmo_activation_checkpointing():
+    """OLMo's own (non-reentrant) checkpointing: forward hooks fire twice, gradients are exact once."""
     from olmo.config import ActivationCheckpointingStrategy
-    from torch.utils.checkpoint import checkpoint
 
     model = tiny_olmo()
     model.train()
-    model.set_activation_checkpointing(ActivationCheckpointingStrategy.whole_layer,
-                                       checkpoint_func=partial(checkpoint, use_reentrant=reentrant))
+    model.set_activation_checkpointing(ActivationCheckpointingStrategy.whole_layer)
+    calls = []
+    model.transformer.blocks[0].att_proj.register_forward_hook(lambda *a: calls.append(1))
     # torch.func cannot run through checkpointing: the oracle is the same weights without it
     errs = _olmo_capture_vs_exact(model, _ids(), oracle_model=tiny_olmo())
+    assert len(calls) == 2, "checkpointing did not recompute: the test would prove nothing"
     assert max(errs.values()) < TOL, errs
+
+
+class _CheckpointedMLP(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inner = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return self.head(checkpoint(self.inner, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_with_gradient_accumulation_plain_model(reentrant):
+    torch.manual_seed(0)
+    model = _CheckpointedMLP(reentrant)
+    x = torch.randn(6, 4, 5, requires_grad=reentrant)   # re-entrant needs an input that requires grad
+    cap = GradientCapture(model, CaptureConfig(proj_dim=0))
+    with cap.record(range(6)) as rec:
+        for chunk in x.split(3):                          # forward, backward, forward, backward
+            model(chunk).pow(2).sum().backward()
+    from torch.func import functional_call, grad, vmap
+    plain = _CheckpointedMLP(reentrant)
+    plain.load_state_dict(model.state_dict())
+    plain.forward = lambda t: plain.head(plain.inner(t))
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    exact = vmap(grad(lambda p, xi: functional_call(plain, p, (xi[None],)).pow(2).sum()),
+                 in_dims=(None, 0))(params, x.detach())
+    for name in ("inner.0", "inner.2", "head"):
+        assert rel_err(rec.dense()[name], linear_grad(exact, name, True)) < TOL, name
+
+
+def test_reentrant_checkpointing_over_two_forwards_is_refused():
+    """Two forwards then one backward: a re-entrant recompute cannot tell whose examples it holds."""
+    model = _CheckpointedMLP(reentrant=True)
+    x = torch.randn(6, 5, requires_grad=True)
+    cap = GradientCapture(model, CaptureConfig(proj_dim=0))
+    with pytest.raises(CaptureError, match="use_reentrant=False"):
+        with cap.record(range(6)):
+            (model(x[:3]).sum() + model(x[3:]).sum()).backward()
+    # the non-reentrant form of the same loop is fine
+    model.reentrant = False
+    with cap.record(range(6)) as rec:
+        (model(x[:3]).sum() + model(x[3:]).sum()).backward()
+    assert rec.dense()["head"].shape[0] == 6
 
 
 def test_olmo_clip_qkv_inplace_clamp():
@@ -223,3 +270,61 @@ def test_module_selection_and_canonical_names():
     cap2 = GradientCapture(wrapped, CaptureConfig(proj_dim=4))
     assert "transformer.blocks.0.att_proj" in cap2.modules
     cap2.remove()
+
+
+def test_misuse_gets_clear_errors(caplog):
+    lin = nn.Linear(3, 2)
+    cap = GradientCapture(lin, CaptureConfig(proj_dim=0))
+    with cap.record([0, 1]) as rec:
+        lin(input=torch.randn(2, 3)).sum().backward()           # keyword input works
+        with pytest.raises(CaptureError, match="inside its"):
+            rec.dense()
+    assert rec.dense()[""].shape == (2, 2, 4)
+    with pytest.raises(CaptureError, match="unbatched input"):
+        lin(torch.randn(3))
+    with pytest.raises(CaptureError, match="integers"):
+        with cap.record(torch.tensor([0.5, 1.5])):
+            pass
+    cap.remove()
+    with pytest.raises(CaptureError, match="removed"):
+        with cap.record([0]):
+            pass
+
+    class Flattens(nn.Module):                                   # an MoE-style layer sees B*T rows
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x).sum() + self.b(x.flatten(0, 1)).sum()
+
+    m = Flattens()
+    cap = GradientCapture(m, CaptureConfig(proj_dim=0))
+    with pytest.raises(CaptureError, match="batch-first"):
+        with cap.record([0, 1]):
+            m(torch.randn(2, 4, 3)).backward()
+    cap.remove()
+
+    twin = nn.Module()
+    twin.add_module("0", nn.Linear(2, 2))
+    twin.module = nn.Sequential(nn.Linear(2, 2))               # "module.0" canonicalizes to "0" too
+    with pytest.raises(CaptureError, match="same canonical name"):
+        GradientCapture(twin)
+
+    class WithMHA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(4, 1, batch_first=True)   # out_proj runs through F.linear
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(self.mha(x, x, x)[0])
+
+    m = WithMHA()
+    cap = GradientCapture(m, CaptureConfig(proj_dim=0))
+    x = torch.randn(2, 3, 4)
+    with cap.record([0, 1]) as rec:
+        m(x).sum().backward()
+    with caplog.at_level("WARNING"):
+        rec.dense()
+    assert "out_proj" in caplog.text and "capture.exclude" in caplog.text

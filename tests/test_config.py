@@ -54,3 +54,25 @@ def test_yaml_section_and_overrides(tmp_path):
     bad.write_text("tda: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         TDAConfig.from_yaml(bad)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"proj_dim": "64"}, r"capture\.proj_dim: '64' matches none of"),
+    ({"proj_dim": (64,)}, r"expected 2 items, got 1"),
+    ({"proj_dim": True}, r"got bool True"),
+    ({"modules": "blocks.*"}, r"capture\.modules: expected a list"),
+])
+def test_configs_built_in_python_are_checked_too(kwargs, match):
+    from olmo_tda import CaptureConfig, GradientCapture
+    import torch
+    with pytest.raises(ConfigError, match=match):
+        GradientCapture(torch.nn.Linear(2, 2), CaptureConfig(**kwargs))
+
+
+def test_a_non_mapping_tda_section_is_an_error(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("tda: false\n")
+    with pytest.raises(ConfigError, match="tda: expected a mapping, got bool"):
+        TDAConfig.from_yaml(f)
+    f.write_text("model: {}\n")
+    assert TDAConfig.from_yaml(f) == TDAConfig()

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..config import CaptureConfig, to_plain
+from ..store.record import GradientRecord
 from .projection import Projector, make_projector, specs_hash
 
 __all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name"]
@@ -72,12 +73,22 @@ class Recording:
     def __init__(self, capture: "GradientCapture", ids: Any, loss_scale: float):
         self.ids = _as_ids(ids)
         self.loss_scale = float(loss_scale)
+        self.projector_hash = capture.projector_hash
+        """Identifies the projectors: :func:`~olmo_tda.attribute` refuses a store made with others."""
         self._capture = capture
         self._parts: dict[int, dict[str, torch.Tensor]] = {}   # forward id -> name -> [B, Ko, Ki]
         self._dense: dict[str, torch.Tensor] | None = None
+        self._active = True
 
     def _add(self, forward_id: int, name: str, grad_BKoKi: torch.Tensor) -> None:
         part = self._parts.setdefault(forward_id, {})
+        rows = _part_rows(part)
+        if part and grad_BKoKi.shape[0] != rows:
+            other = next(iter(part))
+            raise CaptureError(
+                f"layer {name} saw {grad_BKoKi.shape[0]} examples but {other} saw {rows} in the same forward: "
+                "capture needs every captured Linear's input batch-first ([B, ..., features]); exclude layers "
+                "that flatten or permute the batch (e.g. MoE experts, seq-first [T, B, H] inputs)")
         if name in part:
             part[name] += grad_BKoKi      # the layer ran more than once in this forward
         else:
@@ -88,7 +99,14 @@ class Recording:
         return sum(_part_rows(p) for p in self._parts.values())
 
     def dense(self) -> dict[str, torch.Tensor]:
-        """``{name: [len(ids), Ko, Ki]}`` float32: gradients of each example's summed token loss."""
+        """``{name: [len(ids), Ko, Ki]}`` float32: gradients of each example's summed token loss.
+
+        Available once the ``with cap.record(...)`` block has ended (later backward passes in the
+        block would otherwise be missed).
+        """
+        if self._active:
+            raise CaptureError("Recording.dense() was called inside its `with capture.record(...)` block; "
+                               "call it after the block ends")
         if self._dense is None:
             self._dense = self._assemble()
         return self._dense
@@ -102,6 +120,8 @@ class Recording:
                 f"record got {len(self.ids)} ids but the backward pass(es) carried {sum(rows)} examples "
                 f"(per forward: {rows}). Pass the ids of every example whose loss was backpropagated, "
                 "in forward order; was a forward run with capture paused or under no_grad?")
+        fired = set().union(*parts) if parts else set()
+        self._capture._warn_silent_layers(set(shapes) - fired)
         out = {}
         for name, (k_out, k_in) in shapes.items():
             chunks = []
@@ -118,9 +138,8 @@ class Recording:
     def _device(part: dict[str, torch.Tensor]) -> torch.device:
         return next(iter(part.values())).device
 
-    def to_record(self, step: int, lr: float):
+    def to_record(self, step: int, lr: float) -> GradientRecord:
         """The store's unit: a :class:`~olmo_tda.store.record.GradientRecord` of this block."""
-        from ..store.record import GradientRecord  # store sits below capture in the pipeline
         return GradientRecord(ids=self.ids, step=step, lr=lr, loss_scale=self.loss_scale, grads=self.dense())
 
 
@@ -131,7 +150,10 @@ def _part_rows(part: dict[str, torch.Tensor]) -> int:
 def _as_ids(ids: Any) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
-    return np.asarray(ids, dtype=np.int64).reshape(-1)
+    arr = np.asarray(ids if not isinstance(ids, range) else np.arange(ids.start, ids.stop, ids.step))
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise CaptureError(f"example ids must be integers (global data indices), got dtype {arr.dtype}")
+    return arr.astype(np.int64).reshape(-1)
 
 
 class GradientCapture:
@@ -153,7 +175,11 @@ class GradientCapture:
         self._paused = False
         self._active: Recording | None = None
         self._forward_id = 0
+        self._pending_forwards = 0          # grad-enabled forwards not yet closed by a backward
+        self._backward_callback_queued = False
         self._warned_unrecorded = False
+        self._warned_silent: set[str] = set()
+        self._projector_hash: str | None = None
         self.modules: dict[str, nn.Linear] = self._select(model) if enabled else {}
         self._with_bias = {n: self.config.include_bias and m.bias is not None for n, m in self.modules.items()}
         k = self.config.proj_dims
@@ -168,7 +194,17 @@ class GradientCapture:
     # -- selection and hooks -------------------------------------------------------------------
 
     def _select(self, model: nn.Module) -> dict[str, nn.Linear]:
-        linears = {canonical_name(n): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        linears: dict[str, nn.Linear] = {}
+        raw_names: dict[str, str] = {}
+        for raw, module in model.named_modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            name = canonical_name(raw)
+            if name in linears and linears[name] is not module:
+                raise CaptureError(f"Linear layers {raw_names[name]!r} and {raw!r} have the same canonical name "
+                                   f"{name!r} once wrapper segments are removed; projector seeds derive from "
+                                   "names, so rename one of the modules")
+            linears[name], raw_names[name] = module, raw
         chosen = {n: m for n, m in linears.items()
                   if any(fnmatch.fnmatchcase(n, p) for p in self.config.modules)
                   and not any(fnmatch.fnmatchcase(n, p) for p in self.config.exclude)}
@@ -182,25 +218,37 @@ class GradientCapture:
         try:
             self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
             for name, module in self.modules.items():
-                self._handles.append(module.register_forward_hook(partial(self._on_forward, name)))
+                self._handles.append(module.register_forward_hook(partial(self._on_forward, name),
+                                                                  with_kwargs=True))
         except BaseException:
             self.remove()
             raise
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
         self._forward_id += 1
+        if torch.is_grad_enabled() and not _in_backward():
+            self._pending_forwards += 1
 
-    def _on_forward(self, name: str, module: nn.Linear, inputs: tuple, output: torch.Tensor) -> None:
+    def _on_forward(self, name: str, module: nn.Linear, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
         if self._paused or not torch.is_grad_enabled() or not output.requires_grad:
             return
-        acts = inputs[0].detach()
+        acts = (args[0] if args else kwargs["input"]).detach()
+        if acts.ndim < 2:
+            raise CaptureError(f"layer {name} got an unbatched input of shape {tuple(acts.shape)}; capture "
+                               "needs a leading batch dimension ([B, ..., features])")
         proj = self.projectors[name].to(acts.device)
         with torch.autocast(acts.device.type, enabled=False):
             acts_BTKi = proj.project_in(acts.reshape(acts.shape[0], -1, acts.shape[-1]).float(),
                                         self._with_bias[name])
-        output.register_hook(partial(self._on_grad, name, self._forward_id, acts_BTKi))
+        # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
+        # re-entrant checkpointing, where they belong to the forward being backpropagated.
+        output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi))
 
-    def _on_grad(self, name: str, forward_id: int, acts_BTKi: torch.Tensor, grad: torch.Tensor) -> None:
+    def _on_grad(self, name: str, forward_id: int, recomputed: bool, acts_BTKi: torch.Tensor,
+                 grad: torch.Tensor) -> None:
+        if not self._backward_callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._backward_callback_queued = True
         rec = self._active
         if rec is None:
             if not self._warned_unrecorded:
@@ -208,10 +256,27 @@ class GradientCapture:
                             "its gradients are ignored")
                 self._warned_unrecorded = True
             return
+        if recomputed and self._pending_forwards > 1:
+            raise CaptureError(
+                f"re-entrant activation checkpointing recomputed layer {name} during a backward that covers "
+                f"{self._pending_forwards} forwards: its examples cannot be told apart. Use "
+                "checkpoint(..., use_reentrant=False) (OLMo's default), or one backward per forward")
         proj = self.projectors[name]
         with torch.autocast(grad.device.type, enabled=False):
             grads_BTKo = proj.project_out(grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float())
             rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
+
+    def _on_backward_end(self) -> None:
+        self._pending_forwards = 0
+        self._backward_callback_queued = False
+
+    def _warn_silent_layers(self, names: set[str]) -> None:
+        new = sorted(names - self._warned_silent)
+        if new:
+            self._warned_silent.update(new)
+            log.warning("selected layers %s received no gradient in a record (their zeros are stored). If the "
+                        "model calls them through F.linear (e.g. nn.MultiheadAttention.out_proj) capture cannot "
+                        "see them: add them to capture.exclude", new)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -228,7 +293,8 @@ class GradientCapture:
                 stored gradient is that of each example's summed token loss.
         """
         if not self.enabled:
-            raise CaptureError("this GradientCapture was built with enabled=False; it records nothing")
+            raise CaptureError("this GradientCapture records nothing: it was built with enabled=False "
+                               "or its hooks were removed")
         if self._active is not None:
             raise CaptureError("capture.record(...) blocks cannot be nested")
         if not (loss_scale > 0 and np.isfinite(loss_scale)):
@@ -239,17 +305,11 @@ class GradientCapture:
             yield rec
         finally:
             self._active = None
+            rec._active = False
 
-    def pause(self) -> contextlib.AbstractContextManager:
+    def pause(self) -> "_Pause":
         """Stop capturing until :meth:`resume` (or the end of a ``with cap.pause():`` block)."""
-        previous, self._paused = self._paused, True
-        cap = self
-
-        class _Resume(contextlib.AbstractContextManager):
-            def __exit__(self, *exc: Any) -> None:
-                cap._paused = previous
-
-        return _Resume()
+        return _Pause(self)
 
     def resume(self) -> None:
         self._paused = False
@@ -284,13 +344,34 @@ class GradientCapture:
         """``(P_out [Ko, O], P_in [Ki, I(+1)])`` of a layer; the bias column, if captured, is last."""
         return self.projectors[name].matrices()
 
+    @property
+    def projector_hash(self) -> str:
+        """Hash of every layer's projector spec (kind, seed, shapes, matrix digest)."""
+        if self._projector_hash is None:
+            self._projector_hash = specs_hash({n: p.spec() for n, p in self.projectors.items()})
+        return self._projector_hash
+
     def store_metadata(self) -> dict[str, Any]:
         """What a store needs to describe (and later verify) this capture's gradients."""
-        specs = {n: p.spec() for n, p in self.projectors.items()}
         return {
             "capture": to_plain(self.config),
             "layers": [{"name": n, "shape": list(self.layer_shapes[n]), "bias": self._with_bias[n],
-                        "projector": specs[n]} for n in self.projectors],
-            "projector_hash": specs_hash(specs),
+                        "projector": p.spec()} for n, p in self.projectors.items()],
+            "projector_hash": self.projector_hash,
         }
+
+
+class _Pause(contextlib.AbstractContextManager):
+    """Returned by :meth:`GradientCapture.pause`: already paused; leaving a ``with`` block restores."""
+
+    def __init__(self, capture: GradientCapture):
+        self._capture, self._previous = capture, capture._paused
+        capture._paused = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self._capture._paused = self._previous
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 

@@ -54,6 +54,12 @@ def projector_seed(seed: int, name: str, side: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _append_ones(acts: torch.Tensor) -> torch.Tensor:
+    """``[..., n] -> [..., n + 1]``: the bias column of an exactly captured input."""
+    ones = torch.ones(*acts.shape[:-1], 1, dtype=acts.dtype, device=acts.device)
+    return torch.cat([acts, ones], dim=-1)
+
+
 class IdentityProjector:
     """``proj_dim=0``: exact, unprojected gradients (k_out = n_out, k_in = n_in [+1 for bias])."""
 
@@ -61,10 +67,7 @@ class IdentityProjector:
         self.name, self.k_out, self.k_in = name, n_out, n_in
 
     def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        if not with_bias:
-            return acts
-        ones = torch.ones(*acts.shape[:-1], 1, dtype=acts.dtype, device=acts.device)
-        return torch.cat([acts, ones], dim=-1)
+        return _append_ones(acts) if with_bias else acts
 
     def project_out(self, grads: torch.Tensor) -> torch.Tensor:
         return grads
@@ -111,13 +114,18 @@ class RandomProjector:
         return mat.div_(k ** 0.5)
 
     def _bind(self, device: torch.device) -> None:
-        # Transposed, contiguous copies on the compute device so the hot path is one plain matmul.
+        # Transposed, contiguous copies on the compute device so the hot path is one plain matmul;
+        # an identity side (k >= n) skips its matmul altogether.
         self._out_T = self.proj_out_KO.t().contiguous().to(device)        # [n_out, k_out]
         self._in_T = self.proj_in_KI.t().contiguous().to(device)          # [n_in, k_in]
-        self._in_T_nobias = self._in_T[: self.n_in - 1] if self.n_in > 0 else self._in_T
+        self._in_T_nobias = self._in_T[: self.n_in - 1]
         self._bias_row = self._in_T[-1]
+        self._out_identity = self.k_out == self.n_out
+        self._in_identity = self.k_in == self.n_in
 
     def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor:
+        if self._in_identity:
+            return _append_ones(acts) if with_bias else acts
         if not with_bias:
             return acts @ self._in_T
         # [a, 1] @ P_inᵀ == a @ P_inᵀ[:-1] + P_inᵀ[-1]: no concatenated copy of the activations.
@@ -125,7 +133,7 @@ class RandomProjector:
                            ).reshape(*acts.shape[:-1], self.k_in)
 
     def project_out(self, grads: torch.Tensor) -> torch.Tensor:
-        return grads @ self._out_T
+        return grads if self._out_identity else grads @ self._out_T
 
     def matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.proj_out_KO, self.proj_in_KI

@@ -91,31 +91,19 @@ def _losses(model, tokens_BT: torch.Tensor) -> torch.Tensor:
                                              reduction="none").view(tokens_BT.shape[0], -1).sum(1)
 
 
-def run_demo(out_dir: str | Path, cfg: DemoConfig | None = None, *, progress: bool = True) -> DemoSummary:
-    """Train, capture, store, query, report. Returns the summary (and writes ``report.html``)."""
+def _train(cfg: DemoConfig, model, capture: GradientCapture, data: torch.Tensor, passages: list[str], out: Path,
+           progress: bool) -> tuple[list[int], list[float], list[float]]:
+    """The training loop: OLMo's loss normalization, capture around backward, store after the step."""
     from tqdm.auto import tqdm
 
-    cfg = cfg or DemoConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    tok = ByteTokenizer()
-    passages = build_passages(cfg.num_passages, cfg.seq_len, seed=cfg.seed)
-    data = torch.tensor([tok.encode(p) for p in passages], dtype=torch.long)          # [N, T]
-    (out / "passages.jsonl").write_text("".join(json.dumps({"index": i, "text": p}) + "\n"
-                                                for i, p in enumerate(passages)))
-    model = _model(cfg, tok.vocab_size)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     steps_per_epoch = len(data) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
     schedule = lambda s: cfg.lr * min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / total))
-
-    capture = GradientCapture(model, CaptureConfig(proj_dim=cfg.proj_dim, seed=cfg.seed))
     meta = capture.store_metadata() | {"extra": {"corpus": corpus_fingerprint(passages), "demo": True}}
-    store = GradientStore.create(out / "store", meta, StoreConfig(dtype=cfg.store_dtype, flush_every=64))
     gen = torch.Generator().manual_seed(cfg.seed)
     steps, losses, gnorms = [], [], []
-    try:
+    with GradientStore.create(out / "store", meta, StoreConfig(dtype=cfg.store_dtype, flush_every=64)) as store:
         bar = tqdm(total=total, desc="demo: train + capture", disable=not progress, unit="step")
         for step in range(total):
             if step % steps_per_epoch == 0:
@@ -139,24 +127,44 @@ def run_demo(out_dir: str | Path, cfg: DemoConfig | None = None, *, progress: bo
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         bar.close()
-    finally:
-        store.close()
+    return steps, losses, gnorms
 
-    # queries at the final weights, through the same capture (same projectors as the store)
+
+def _query_gradients(cfg: DemoConfig, model, capture: GradientCapture, passages: list[str]
+                     ) -> tuple[dict[str, torch.Tensor], list[int], list[str]]:
+    """Self-queries (training passages) and free-text queries, at the final weights."""
+    tok = ByteTokenizer()
     rng = np.random.default_rng(cfg.seed)
     self_ids = sorted(rng.choice(len(passages), size=cfg.num_self_queries, replace=False).tolist())
     query_texts = [passages[i] for i in self_ids] + FREE_QUERIES
-    query_tokens = [torch.tensor([tok.encode(q)]) for q in query_texts]
-    query_grads: dict[str, list[torch.Tensor]] = {}
-    for tokens in query_tokens:           # one at a time: free queries have different lengths
+    grads: dict[str, list[torch.Tensor]] = {}
+    for text in query_texts:              # one at a time: free queries have different lengths
         with capture.record([0]) as rec:
-            _losses(model, tokens).sum().backward()
+            _losses(model, torch.tensor([tok.encode(text)])).sum().backward()
         model.zero_grad(set_to_none=True)
         for name, g in rec.dense().items():
-            query_grads.setdefault(name, []).append(g)
-    capture.remove()
-    queries = {n: torch.cat(gs) for n, gs in query_grads.items()}
-    result = attribute(out / "store", queries, method="gradcos", top_k=cfg.top_k)
+            grads.setdefault(name, []).append(g)
+    return {n: torch.cat(gs) for n, gs in grads.items()}, self_ids, query_texts
+
+
+def run_demo(out_dir: str | Path, cfg: DemoConfig | None = None, *, progress: bool = True) -> DemoSummary:
+    """Train, capture, store, query, report. Returns the summary (and writes ``report.html``)."""
+    cfg = cfg or DemoConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tok = ByteTokenizer()
+    passages = build_passages(cfg.num_passages, cfg.seq_len, seed=cfg.seed)
+    data = torch.tensor([tok.encode(p) for p in passages], dtype=torch.long)          # [N, T]
+    (out / "passages.jsonl").write_text("".join(json.dumps({"index": i, "text": p}) + "\n"
+                                                for i, p in enumerate(passages)))
+    model = _model(cfg, tok.vocab_size)
+    with GradientCapture(model, CaptureConfig(proj_dim=cfg.proj_dim, seed=cfg.seed)) as capture:  # removes hooks
+        steps, losses, gnorms = _train(cfg, model, capture, data, passages, out, progress)
+        queries, self_ids, query_texts = _query_gradients(cfg, model, capture, passages)
+        result = attribute(out / "store", queries, method="gradcos", top_k=cfg.top_k,
+                           projector_hash=capture.projector_hash)
+    total = len(steps)
 
     hits = 0
     report_queries = []

@@ -8,6 +8,7 @@ flattened width of layer l, k the top-k.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol
@@ -17,6 +18,8 @@ import torch
 
 __all__ = ["AttributionMethod", "AttributionResult", "register_method", "get_method", "available_methods",
            "attribute"]
+
+log = logging.getLogger(__name__)
 
 
 class AttributionMethod(Protocol):
@@ -57,7 +60,7 @@ class AttributionResult:
     method: str
     layers: list[str]
     scores: torch.Tensor             # [Q, k] float64
-    ids: np.ndarray                  # [Q, k] int64 (-1 where the store had fewer than k rows)
+    ids: np.ndarray                  # [Q, k'] int64, k' = min(top_k, rows scored)
     steps: np.ndarray                # [Q, k] int64
     num_scored: int = 0              # training rows scored
     all_scores: torch.Tensor | None = None   # [Q, N] when requested
@@ -87,7 +90,7 @@ def _as_queries(queries: Any) -> dict[str, torch.Tensor]:
 
 def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "graddot", top_k: int = 10,
               layers: Iterable[str] | None = None, block_size: int = 1024, return_scores: bool = False,
-              **method_options: Any) -> AttributionResult:
+              projector_hash: str | None = None, **method_options: Any) -> AttributionResult:
     """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query.
 
     Args:
@@ -98,13 +101,24 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
         layers: restrict scoring to these layers (default: every layer present in both).
         block_size: training rows per streamed block; memory is O(Q·(top_k + block_size)).
         return_scores: also return the full ``[Q, N]`` score matrix (memory O(Q·N)).
+        projector_hash: the capture's ``projector_hash`` for plain-dict queries (a Recording carries
+            its own); compared with the store's, since scores across different projectors are noise.
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if isinstance(store, (str, Path)):
         from ..store import GradientStore
         store = GradientStore.open(store)
+    projector_hash = getattr(queries, "projector_hash", projector_hash)
+    stored_hash = getattr(store, "meta", {}).get("projector_hash")
+    if projector_hash is not None and stored_hash is not None and projector_hash != stored_hash:
+        raise ValueError(f"the queries were projected with projectors {projector_hash}, the store with "
+                         f"{stored_hash}: capture the queries with the store's capture config (seed, proj_dim, "
+                         f"proj_type, layers) — see `olmo-tda inspect {getattr(store, 'path', '')}`")
     queries = _as_queries(queries)
+    if layers is None and set(queries) != set(store.layers):
+        log.warning("queries cover %d layers and the store %d: scoring the %d they share (pass layers= to "
+                    "choose explicitly)", len(queries), len(store.layers), len(set(queries) & set(store.layers)))
     chosen = list(layers) if layers is not None else [n for n in store.layers if n in queries]
     missing = [n for n in chosen if n not in queries or n not in store.layers]
     if missing or not chosen:
