@@ -58,6 +58,7 @@ class Arm:
             self.store = GradientStore.create(root / name, self.capture.store_metadata(),
                                               StoreConfig(dtype=StoreDType(args.dtype), flush_every=args.flush_every))
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
         self.next_id = 0
 
     def step(self, batch: torch.Tensor, step: int) -> None:
@@ -77,14 +78,15 @@ class Arm:
             self.store.append(rec.to_record(step=step, lr=1e-4))
         self.next_id += batch.shape[0]
 
-    def block(self, batches: list[torch.Tensor], first_step: int) -> float:
-        """Seconds per step over a block, the store drained to disk inside the timing."""
-        t0 = time.perf_counter()
+    def block(self, batches: list[torch.Tensor], first_step: int) -> tuple[float, float]:
+        """(wall, CPU) seconds per step over a block, the store drained to disk inside the timing.
+        CPU time sums every thread of the process (training threads and the store's writer)."""
+        t0, c0 = time.perf_counter(), time.process_time()
         for i, batch in enumerate(batches):
             self.step(batch, first_step + i)
         if self.store is not None:
             self.store.flush()
-        return (time.perf_counter() - t0) / len(batches)
+        return (time.perf_counter() - t0) / len(batches), (time.process_time() - c0) / len(batches)
 
     def close(self) -> int:
         if self.store is None:
@@ -117,25 +119,31 @@ def main(argv=None) -> dict:
             batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(args.block)]
             order = arms if round_ % 2 == 0 else arms[::-1]      # alternate who goes first
             for arm in order:
-                t = arm.block(batches, round_ * args.block)
+                wall, cpu = arm.block(batches, round_ * args.block)
                 if round_ >= 1:
-                    arm.times.append(t)
+                    arm.times.append(wall)
+                    arm.cpu_times.append(cpu)
         bytes_per_arm = {arm.name: arm.close() for arm in arms}
     plain = statistics.median(arms[0].times)
+    plain_cpu = statistics.median(arms[0].cpu_times)
     rows = []
     for arm in arms:
-        med = statistics.median(arm.times)
-        rows.append({"arm": arm.name, "median_s": med, "ratio": med / plain,
+        med, med_cpu = statistics.median(arm.times), statistics.median(arm.cpu_times)
+        rows.append({"arm": arm.name, "median_s": med, "ratio": med / plain, "cpu_s": med_cpu,
+                     "cpu_ratio": med_cpu / plain_cpu,
                      "bytes_per_example": bytes_per_arm[arm.name] / max(1, arm.next_id)})
     print(f"capture overhead: OLMo d_model={args.d_model} layers={args.n_layers} seq={args.seq} batch={args.batch} "
-          f"vocab={args.vocab} tied={args.tied} threads={torch.get_num_threads()} store={args.dtype}")
-    print(f"{'arm':>6} {'median s/step':>14} {'ratio':>7} {'bytes/example':>14}")
+          f"vocab={args.vocab} tied={args.tied} threads={torch.get_num_threads()} store={args.dtype} "
+          f"rounds={args.rounds}x{args.block} steps")
+    print(f"{'arm':>6} {'wall s/step':>12} {'wall ratio':>10} {'CPU s/step':>11} {'CPU ratio':>10} {'bytes/example':>14}")
     for r in rows:
-        print(f"{r['arm']:>6} {r['median_s']:>14.3f} {r['ratio']:>7.3f} {r['bytes_per_example']:>14.0f}")
+        print(f"{r['arm']:>6} {r['median_s']:>12.3f} {r['ratio']:>10.3f} {r['cpu_s']:>11.3f} {r['cpu_ratio']:>10.3f} "
+              f"{r['bytes_per_example']:>14.0f}")
     result = {"benchmark": "capture_overhead", "d_model": args.d_model, "n_layers": args.n_layers,
               "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "tied": args.tied,
               "rounds": args.rounds, "block": args.block, "plain_s": plain, "store_dtype": args.dtype,
               **{f"ratio_{r['arm']}": round(r["ratio"], 4) for r in rows[1:]},
+              **{f"cpu_ratio_{r['arm']}": round(r["cpu_ratio"], 4) for r in rows[1:]},
               "torch": torch.__version__, "python": platform.python_version()}
     print(json.dumps(result))
     return result
