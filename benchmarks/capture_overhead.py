@@ -1,13 +1,17 @@
 """Training-step overhead of capture + store, as ratios measured in one run (this machine is noisy).
 
-A small OLMo on CPU (d_model 512, 4 layers, seq 256, batch 8 by default): a plain AdamW step vs the
-same step with GradientCapture on every nn.Linear and the async HDF5 store writing each step's
-per-example gradients, at k=16 and k=64. Arms run in interleaved rounds (each round: a block of
-``--block`` steps per arm, arm order alternating between rounds). A capture arm's block ends with
-``store.flush()`` inside the timed region, so all of its writer thread's work (encoding, HDF5, fsync)
-is charged to it and never spills into another arm's timing; this is conservative (a shard every
-block instead of every ``--flush-every`` steps). The per-step time of each block is one sample; an
-arm's median over rounds is compared with the plain arm's.
+A small OLMo on CPU (d_model 512, 4 layers, seq 256, batch 8 by default) trained with AdamW. Arms:
+the plain step, and the same step with GradientCapture on every nn.Linear plus the async HDF5 store
+writing each step's per-example gradients, at k=16 and k=64. All arms share ONE model and optimizer
+(so memory layout and cache behaviour are identical); an arm is which capture is active — the
+inactive captures are paused (their hooks return at once: a few microseconds per layer).
+
+Arms run in interleaved rounds: each round a block of ``--block`` steps per arm, arm order
+alternating between rounds. A capture arm's block ends with ``store.flush()`` inside the timed
+region, so all of its writer thread's work (encoding, HDF5, fsync) is charged to it and never spills
+into another arm's timing (conservative: a shard every block). Each block gives one wall-clock and
+one CPU-time (all threads of the process) sample per step; an arm's median is compared with the
+plain arm's.
 
     python benchmarks/capture_overhead.py                # table, then one JSON line
     python benchmarks/capture_overhead.py --rounds 3     # quicker
@@ -45,54 +49,68 @@ def build_model(args):
     return model
 
 
-class Arm:
-    """One configuration: its own model copy and optimizer, so arms never share state."""
+class Trainer:
+    """One model and optimizer; each arm is a (capture, store) pair, or none for the plain step."""
 
-    def __init__(self, name: str, args, proj_dim: int | None, root: Path):
-        self.name = name
+    def __init__(self, args, ks: list[int], root: Path):
         self.model = build_model(args)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.capture = self.store = None
-        if proj_dim is not None:
-            self.capture = GradientCapture(self.model, CaptureConfig(proj_dim=proj_dim))
-            self.store = GradientStore.create(root / name, self.capture.store_metadata(),
-                                              StoreConfig(dtype=StoreDType(args.dtype), flush_every=args.flush_every))
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
-        self.next_id = 0
+        self.arms: dict[str, tuple[GradientCapture | None, object]] = {"plain": (None, None)}
+        for k in ks:
+            cap = GradientCapture(self.model, CaptureConfig(proj_dim=k))
+            cap.pause()
+            store = GradientStore.create(root / f"k{k}", cap.store_metadata(),
+                                         StoreConfig(dtype=StoreDType(args.dtype), flush_every=args.flush_every))
+            self.arms[f"k{k}"] = (cap, store)
+        self.times = {name: [] for name in self.arms}
+        self.cpu_times = {name: [] for name in self.arms}
+        self.examples = {name: 0 for name in self.arms}
+        self.step_no = 0
 
-    def step(self, batch: torch.Tensor, step: int) -> None:
+    def step(self, arm: str, batch: torch.Tensor) -> None:
+        cap, store = self.arms[arm]
         logits = self.model(batch).logits
         loss_scale = batch.numel()
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(),
                                                  reduction="sum") / loss_scale
-        if self.capture is None:
+        if cap is None:
             loss.backward()
         else:
-            ids = torch.arange(self.next_id, self.next_id + batch.shape[0])
-            with self.capture.record(ids, loss_scale=loss_scale) as rec:
+            ids = torch.arange(self.examples[arm], self.examples[arm] + batch.shape[0])
+            with cap.record(ids, loss_scale=loss_scale) as rec:
                 loss.backward()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        if self.capture is not None:
-            self.store.append(rec.to_record(step=step, lr=1e-4))
-        self.next_id += batch.shape[0]
+        if cap is not None:
+            store.append(rec.to_record(step=self.step_no, lr=1e-4))
+        self.examples[arm] += batch.shape[0]
+        self.step_no += 1
 
-    def block(self, batches: list[torch.Tensor], first_step: int) -> tuple[float, float]:
-        """(wall, CPU) seconds per step over a block, the store drained to disk inside the timing.
-        CPU time sums every thread of the process (training threads and the store's writer)."""
+    def block(self, arm: str, batches: list[torch.Tensor], measure: bool) -> None:
+        """Run a block; record (wall, CPU) seconds per step, the store drained inside the timing."""
+        cap, store = self.arms[arm]
+        if cap is not None:
+            cap.resume()
         t0, c0 = time.perf_counter(), time.process_time()
-        for i, batch in enumerate(batches):
-            self.step(batch, first_step + i)
-        if self.store is not None:
-            self.store.flush()
-        return (time.perf_counter() - t0) / len(batches), (time.process_time() - c0) / len(batches)
+        for batch in batches:
+            self.step(arm, batch)
+        if store is not None:
+            store.flush()
+        wall, cpu = (time.perf_counter() - t0) / len(batches), (time.process_time() - c0) / len(batches)
+        if cap is not None:
+            cap.pause()
+        if measure:
+            self.times[arm].append(wall)
+            self.cpu_times[arm].append(cpu)
 
-    def close(self) -> int:
-        if self.store is None:
-            return 0
-        self.store.close()
-        return GradientStore.open(self.store.path).nbytes
+    def close(self) -> dict[str, int]:
+        sizes = {"plain": 0}
+        for name, (cap, store) in self.arms.items():
+            if store is not None:
+                store.close()
+                sizes[name] = GradientStore.open(store.path).nbytes
+                cap.remove()
+        return sizes
 
 
 def main(argv=None) -> dict:
@@ -113,25 +131,21 @@ def main(argv=None) -> dict:
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as tmp:
-        arms = [Arm("plain", args, None, Path(tmp))]
-        arms += [Arm(f"k{k}", args, int(k), Path(tmp)) for k in args.ks.split(",")]
+        trainer = Trainer(args, [int(k) for k in args.ks.split(",")], Path(tmp))
+        names = list(trainer.arms)
         for round_ in range(args.rounds + 1):
             batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(args.block)]
-            order = arms if round_ % 2 == 0 else arms[::-1]      # alternate who goes first
-            for arm in order:
-                wall, cpu = arm.block(batches, round_ * args.block)
-                if round_ >= 1:
-                    arm.times.append(wall)
-                    arm.cpu_times.append(cpu)
-        bytes_per_arm = {arm.name: arm.close() for arm in arms}
-    plain = statistics.median(arms[0].times)
-    plain_cpu = statistics.median(arms[0].cpu_times)
+            for arm in (names if round_ % 2 == 0 else names[::-1]):    # alternate who goes first
+                trainer.block(arm, batches, measure=round_ >= 1)
+        bytes_per_arm = trainer.close()
+    plain = statistics.median(trainer.times["plain"])
+    plain_cpu = statistics.median(trainer.cpu_times["plain"])
     rows = []
-    for arm in arms:
-        med, med_cpu = statistics.median(arm.times), statistics.median(arm.cpu_times)
-        rows.append({"arm": arm.name, "median_s": med, "ratio": med / plain, "cpu_s": med_cpu,
+    for arm in names:
+        med, med_cpu = statistics.median(trainer.times[arm]), statistics.median(trainer.cpu_times[arm])
+        rows.append({"arm": arm, "median_s": med, "ratio": med / plain, "cpu_s": med_cpu,
                      "cpu_ratio": med_cpu / plain_cpu,
-                     "bytes_per_example": bytes_per_arm[arm.name] / max(1, arm.next_id)})
+                     "bytes_per_example": bytes_per_arm[arm] / max(1, trainer.examples[arm])})
     print(f"capture overhead: OLMo d_model={args.d_model} layers={args.n_layers} seq={args.seq} batch={args.batch} "
           f"vocab={args.vocab} tied={args.tied} threads={torch.get_num_threads()} store={args.dtype} "
           f"rounds={args.rounds}x{args.block} steps")
