@@ -27,13 +27,28 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve_store(path: str | Path) -> Path:
+    """A store directory, or a run directory holding one (``tda/store``, or ``store`` for the demo)."""
+    path = Path(path)
+    for candidate in (path, path / "tda" / "store", path / "store", path / "run" / "tda" / "store"):
+        if (candidate / "store.json").exists():
+            return candidate
+    return path
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .integrations.olmo import load_configs
+    from .integrations.olmo_train import train
+
+    cfg, tda_cfg = load_configs(args.config, args.overrides)
+    train(cfg, tda_cfg)
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .store import GradientStore
 
-    path = Path(args.path)
-    if (path / "store" / "store.json").exists():
-        path = path / "store"
-    summary = GradientStore.open(path).summary()
+    summary = GradientStore.open(resolve_store(args.path)).summary()
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -54,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a smaller run (seconds), for smoke tests")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_cmd_demo)
+    train = sub.add_parser("train", help="OLMo pretraining with the tda: section (run under torchrun for >1 rank)")
+    train.add_argument("config", help="OLMo training YAML, optionally with a tda: section")
+    train.add_argument("overrides", nargs=argparse.REMAINDER,
+                       help="dotted overrides in OLMo's style, e.g. --max_duration=100 --tda.capture.proj_dim=32")
+    train.set_defaults(func=_cmd_train)
     inspect = sub.add_parser("inspect", help="summarize a gradient store (or a run directory holding one)")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -1,0 +1,204 @@
+"""ai2-olmo integration: a ``Trainer`` subclass that captures every example of every step, the config
+loader for a training YAML with a ``tda:`` section, and our own training entry point.
+
+OLMo's ``Trainer`` has no callbacks, so the subclass wraps exactly three of its methods and adds
+nothing to the step otherwise:
+
+- ``train_batch``: the whole micro-batch loop runs inside one ``capture.record(batch["index"],
+  loss_scale=tokens in the device batch)`` (OLMo divides each micro-batch's CE sum by that number);
+- ``train_step``: after OLMo's optimizer step, the record is handed to the async store with the
+  step and the learning rate OLMo actually used;
+- ``trainer_state_dict`` / ``load_trainer_state_dict``: the store position travels in OLMo's own
+  checkpoints; on resume the store drops rows past the checkpoint's step (they will be re-run), so
+  the store has neither duplicates nor gaps. Checkpoints flush the store first.
+
+With ``tda.enabled: false`` none of this happens: no capture object, no hooks, no store, no thread;
+the methods call straight through to OLMo's.
+
+Example (what ``olmo-tda train run.yaml --tda.capture.proj_dim=32`` does)::
+
+    from olmo_tda.integrations.olmo import load_configs
+    from olmo_tda.integrations.olmo_train import train
+    cfg, tda = load_configs("configs/demo_tiny.yaml", ["--tda.capture.proj_dim=32", "--max_duration=50"])
+    train(cfg, tda)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from ..capture import GradientCapture
+from ..config import ConfigError, TDAConfig
+from ..store import GradientStore
+
+try:
+    from olmo.config import CheckpointType, DistributedStrategy, TrainConfig
+    from olmo.train import Trainer
+except ImportError as e:  # pragma: no cover - ai2-olmo is a hard dependency, but say so clearly
+    raise ImportError("olmo_tda.integrations.olmo needs ai2-olmo==0.6.0 (pip install ai2-olmo==0.6.0)") from e
+
+__all__ = ["TDATrainer", "load_configs", "TDA_YAML"]
+
+log = logging.getLogger(__name__)
+
+TDA_YAML = "tda.yaml"
+"""Saved beside OLMo's ``config.yaml`` (which stays loadable by plain OLMo tools)."""
+
+
+def load_configs(path: str | Path, overrides: list[str] | None = None) -> tuple[TrainConfig, TDAConfig]:
+    """Split an OLMo training YAML with a ``tda:`` section into (TrainConfig, TDAConfig).
+
+    Overrides use OLMo's dotted style: ``--tda.capture.proj_dim=32`` goes to the TDA config,
+    everything else (``--max_duration=50``) to OLMo's. Errors name the key path.
+    """
+    overrides = list(overrides or [])
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at top level")
+    tda_section = raw.pop("tda", None)
+    tda_overrides = [o for o in overrides if o.lstrip("-").startswith("tda.")]
+    olmo_overrides = [_clean_opt(o) for o in overrides if o not in tda_overrides]
+    from ..config import apply_overrides
+    tda_data = apply_overrides(tda_section if tda_section is not None else {}, tda_overrides, path="tda")
+    tda_cfg = TDAConfig.from_dict(tda_data)
+    # OLMo's loader takes a file: hand it the YAML without our section (interpolations kept as text).
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
+        yaml.safe_dump(raw, tmp, sort_keys=False)
+    try:
+        from olmo.exceptions import OLMoConfigurationError
+        try:
+            cfg = TrainConfig.load(tmp.name, olmo_overrides)
+        except OLMoConfigurationError as e:
+            raise ConfigError(f"{path}: OLMo rejected the config: {e}") from None
+    finally:
+        os.unlink(tmp.name)
+    return cfg, tda_cfg
+
+
+def _clean_opt(arg: str) -> str:
+    arg = arg[2:] if arg.startswith("--") else arg
+    return arg if "=" in arg else f"{arg}=True"
+
+
+@dataclass
+class TDATrainer(Trainer):
+    """OLMo's Trainer plus per-example gradient capture beside the optimizer step."""
+
+    tda: TDAConfig = field(default_factory=TDAConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.capture: GradientCapture | None = None
+        self.store = None
+        self._record = None
+        self._tda_stats = {"capture_s": 0.0, "rows": 0}
+        if not self.tda.enabled:
+            return
+        self.capture = GradientCapture(self.dist_model, self.tda.capture)
+        store_path = Path(self.tda.store.path or Path(self.cfg.save_folder) / "tda" / "store")
+        meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
+                                                          "data_paths": list(self.cfg.data.paths or [])}}
+        self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def train_batch(self, batch: dict[str, Any]):
+        if self.capture is None:
+            return super().train_batch(batch)
+        if "index" not in batch:
+            raise RuntimeError("tda capture needs batch['index'] (global instance ids); OLMo's IterableDataset "
+                               "provides it — a custom loader must too")
+        t0 = time.perf_counter()
+        with self.capture.record(batch["index"], loss_scale=batch["input_ids"].numel()) as rec:
+            out = super().train_batch(batch)
+        self._record = rec
+        self._tda_stats["capture_s"] += time.perf_counter() - t0
+        return out
+
+    def train_step(self, batch: dict[str, Any], reduce_global_loss: bool = True) -> dict[str, float]:
+        metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss)
+        if self.store is not None and self._record is not None:
+            lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
+            self.store.append(self._record.to_record(step=self.global_step, lr=lr))
+            self._tda_stats["rows"] += len(self._record.ids)
+            self._record = None
+            stats = self.store.stats
+            metrics["tda/rows_captured"] = float(self._tda_stats["rows"])
+            metrics["tda/rows_skipped_nonfinite"] = float(stats.get("rows_skipped_nonfinite", 0))
+        return metrics
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def trainer_state_dict(self) -> dict[str, Any]:
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state()}
+        if torch.cuda.is_available():
+            state = super().trainer_state_dict()
+        else:   # OLMo asks for the CUDA RNG unconditionally, which a CPU-only torch cannot give
+            state = {"epoch": self.epoch or 0, "global_step": self.global_step,
+                     "global_train_examples_seen_this_epoch": self.global_train_examples_seen_this_epoch,
+                     "global_train_tokens_seen": self.global_train_tokens_seen, "world_size": _world_size(),
+                     "checkpoints": self.checkpoints, "unsharded_checkpoints": self.unsharded_checkpoints,
+                     "ephemeral_checkpoints": self.ephemeral_checkpoints, "rng": rng}
+        if self.store is not None:
+            state["tda"] = {"store": str(self.store.path), "step": self.global_step,
+                            "projector_hash": self.capture.projector_hash}
+        return state
+
+    def restore_rng_state(self, rng_state: dict[str, Any]) -> None:
+        random.setstate(rng_state["python"])
+        np.random.set_state(rng_state["numpy"])
+        torch.set_rng_state(rng_state["torch"])
+        if torch.cuda.is_available() and "cuda" in rng_state:
+            torch.cuda.set_rng_state(rng_state["cuda"])
+
+    def load_trainer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_trainer_state_dict(state_dict)
+        if self.store is None:
+            return
+        saved = state_dict.get("tda")
+        if saved is not None and saved.get("projector_hash") != self.capture.projector_hash:
+            raise ConfigError(f"resuming with different projectors ({self.capture.projector_hash}) than the "
+                              f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
+        dropped = self.store.truncate_after(self.global_step)
+        if dropped:
+            log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
+
+    def save_checkpoint(self, checkpoint_type: CheckpointType = CheckpointType.sharded):
+        if self.store is not None:
+            self.store.flush()      # every step up to this checkpoint is durable before it exists
+        return super().save_checkpoint(checkpoint_type)
+
+    def close(self, exit_code: int = 0) -> None:
+        try:
+            if self.store is not None:
+                self.store.close()
+        finally:
+            if self.capture is not None:
+                self.capture.remove()
+            super().close(exit_code)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
