@@ -148,7 +148,6 @@ class TDATrainer(Trainer):
     # -- checkpoints -------------------------------------------------------------------------------
 
     def trainer_state_dict(self) -> dict[str, Any]:
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state()}
         if torch.cuda.is_available():
             state = super().trainer_state_dict()
         else:   # OLMo asks for the CUDA RNG unconditionally, which a CPU-only torch cannot give
@@ -156,11 +155,13 @@ class TDATrainer(Trainer):
                      "global_train_examples_seen_this_epoch": self.global_train_examples_seen_this_epoch,
                      "global_train_tokens_seen": self.global_train_tokens_seen, "world_size": _world_size(),
                      "checkpoints": self.checkpoints, "unsharded_checkpoints": self.unsharded_checkpoints,
-                     "ephemeral_checkpoints": self.ephemeral_checkpoints, "rng": rng}
+                     "ephemeral_checkpoints": self.ephemeral_checkpoints,
+                     "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.random.get_rng_state()}}
         if self.store is not None:
             state["tda"] = {"store": str(self.store.path), "step": self.global_step,
                             "projector_hash": self.capture.projector_hash}
-        return state
+        return _weights_only_safe(state)
 
     def restore_rng_state(self, rng_state: dict[str, Any]) -> None:
         random.setstate(rng_state["python"])
@@ -170,7 +171,7 @@ class TDATrainer(Trainer):
             torch.cuda.set_rng_state(rng_state["cuda"])
 
     def load_trainer_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_trainer_state_dict(state_dict)
+        super().load_trainer_state_dict(_from_weights_only_safe(state_dict))
         if self.store is None:
             return
         saved = state_dict.get("tda")
@@ -194,6 +195,38 @@ class TDATrainer(Trainer):
             if self.capture is not None:
                 self.capture.remove()
             super().close(exit_code)
+
+
+_PATH_LISTS = ("checkpoints", "unsharded_checkpoints", "ephemeral_checkpoints")
+
+
+def _weights_only_safe(state: dict[str, Any]) -> dict[str, Any]:
+    """OLMo's trainer state holds Paths and numpy's RNG tuple, which ``torch.load(weights_only=True)``
+    (torch's default since 2.6, and our rule for anything read from disk) refuses: store plain
+    strings and lists instead; :func:`_from_weights_only_safe` turns them back."""
+    state = dict(state)
+    for key in _PATH_LISTS:
+        if key in state:
+            state[key] = [str(p) for p in state[key]]
+    rng = dict(state.get("rng", {}))
+    if "numpy" in rng:
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        rng["numpy"] = [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(gauss)]
+        state["rng"] = rng
+    return state
+
+
+def _from_weights_only_safe(state: dict[str, Any]) -> dict[str, Any]:
+    state = dict(state)
+    for key in _PATH_LISTS:
+        if key in state:
+            state[key] = [Path(p) for p in state[key]]
+    rng = dict(state.get("rng", {}))
+    if isinstance(rng.get("numpy"), list):
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        rng["numpy"] = (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss)
+        state["rng"] = rng
+    return state
 
 
 def _rank() -> int:

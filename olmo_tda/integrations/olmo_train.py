@@ -54,12 +54,13 @@ def _wrap(cfg, model, device):
                     mixed_precision=cfg.fsdp_precision if device.type == "cuda" else None,
                     auto_wrap_policy=model.get_fsdp_wrap_policy(cfg.fsdp.wrapping_strategy),
                     use_orig_params=cfg.fsdp.use_orig_params, limit_all_gathers=True,
-                    device_id=device.index if device.type == "cuda" else None)
+                    device_id=device.index if device.type == "cuda" else device)   # CPU FSDP needs the device named
     raise ValueError(f"distributed_strategy={cfg.distributed_strategy!r}: use ddp or fsdp")
 
 
-def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device) -> TDATrainer:
-    """Model, wrapping, optimizer, scheduler, data loader and the trainer — OLMo's recipe."""
+def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: type | None = None) -> TDATrainer:
+    """Model, wrapping, optimizer, scheduler, data loader and the trainer — OLMo's recipe.
+    ``trainer_cls=olmo.train.Trainer`` builds OLMo's own trainer from the same pieces (parity tests)."""
     from olmo.data import build_train_dataloader
     from olmo.eval import build_evaluators
     from olmo.model import OLMo
@@ -80,9 +81,10 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device) -> TDATrainer:
     dist_model = _wrap(cfg, model, device)
     optim = build_optimizer(cfg, dist_model)
     scheduler = build_scheduler(cfg)
-    return TDATrainer(cfg=cfg, epoch=cfg.epoch, model=model, dist_model=dist_model, optim=optim,
-                      scheduler=scheduler, train_loader=train_loader, device=device, evaluators=evaluators,
-                      tda=tda_cfg)
+    trainer_cls = trainer_cls or TDATrainer
+    extra = {"tda": tda_cfg} if issubclass(trainer_cls, TDATrainer) else {}
+    return trainer_cls(cfg=cfg, epoch=cfg.epoch, model=model, dist_model=dist_model, optim=optim,
+                       scheduler=scheduler, train_loader=train_loader, device=device, evaluators=evaluators, **extra)
 
 
 def _save_configs(cfg, tda_cfg: TDAConfig) -> None:

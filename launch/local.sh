@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Single-node OLMo training with gradient capture.
+#
+#   launch/local.sh CONFIG [NPROC] [--key=value ...]
+#
+# NPROC = 1 (the default) runs plain `python -m olmo_tda.cli train CONFIG ...`: no rendezvous, and
+# breakpoint()/pdb work (the trainer forms a process group of one by itself). NPROC > 1 runs
+# `torchrun --standalone --nproc_per_node=NPROC -m olmo_tda.cli train CONFIG ...` (standalone picks a
+# free port, so several runs can share a machine). The trainer picks gloo on CPU and nccl on GPU.
+#
+# Environment:
+#   OMP_NUM_THREADS  default: this machine's CPUs (nproc) / NPROC, at least 1
+#   WANDB_MODE       offline unless you set it
+#   PYTHON, TORCHRUN the executables (default: python and torchrun on PATH)
+#   DRY_RUN          1 = print the exact environment and command and exit 0; 0 or unset = run
+# See launch/README.md.
+
+set -euo pipefail
+
+readonly prog=local.sh
+
+die() {
+    printf '%s: error: %s\n' "$prog" "$*" >&2
+    exit 2
+}
+
+usage() {
+    sed -n '2,/^# See launch/s/^# \{0,1\}//p' "$0"
+}
+
+if [[ $# -lt 1 ]]; then
+    usage >&2
+    exit 2
+fi
+case "$1" in
+    -h | --help)
+        usage
+        exit 0
+        ;;
+esac
+
+case "${DRY_RUN:-0}" in
+    0 | 1) ;;
+    *) die "DRY_RUN must be 0 or 1, got '${DRY_RUN}'" ;;
+esac
+
+config="$1"
+shift
+[[ -f "$config" ]] || die "config file not found: $config"
+
+# A second argument that is all digits is NPROC; anything else (an override) leaves NPROC at 1.
+num_procs=1
+if [[ $# -ge 1 && "$1" =~ ^[0-9]+$ ]]; then
+    [[ "$1" =~ ^[1-9][0-9]*$ ]] || die "NPROC must be a positive number, got '$1'"
+    num_procs="$1"
+    shift
+fi
+
+# torchrun would force 1 thread per worker (starving a CPU run); share the machine's CPUs instead.
+cpus="$(nproc)"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((cpus / num_procs > 0 ? cpus / num_procs : 1))}"
+# No network account is assumed; sync later with `wandb sync`.
+export WANDB_MODE="${WANDB_MODE:-offline}"
+managed_env=(OMP_NUM_THREADS WANDB_MODE)
+
+if ((num_procs == 1)); then
+    cmd=("${PYTHON:-python}" -m olmo_tda.cli train "$config" "$@")
+else
+    cmd=("${TORCHRUN:-torchrun}" --standalone --nnodes=1 --nproc_per_node="$num_procs"
+        -m olmo_tda.cli train "$config" "$@")
+fi
+
+# stdout gets the exact environment and command, shell-quoted: in a dry run it is a runnable script.
+printf 'export'
+for var in "${managed_env[@]}"; do printf ' %q' "$var=${!var}"; done
+printf '\n%q' "${cmd[0]}"
+printf ' %q' "${cmd[@]:1}"
+printf '\n'
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    printf '%s: DRY_RUN=1: not running\n' "$prog" >&2
+    exit 0
+fi
+exec "${cmd[@]}"
