@@ -15,7 +15,7 @@ __all__ = ["main"]
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(num_passages=768, epochs=1) if args.quick else DemoConfig()
+    cfg = DemoConfig(num_passages=512, epochs=2) if args.quick else DemoConfig()
     summary = run_demo(args.out, cfg, progress=not args.no_progress)
     for q in summary.results:
         print(f"\n[{q['kind']}] {q['query'][:90]!r}")
@@ -42,6 +42,44 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg, tda_cfg = load_configs(args.config, args.overrides)
     train(cfg, tda_cfg)
+    return 0
+
+
+def _read_queries(args: argparse.Namespace) -> list[str]:
+    texts = list(args.query or [])
+    if args.query_file:
+        for n, line in enumerate(Path(args.query_file).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{args.query_file}:{n}: not JSON ({e}); expected {{\"text\": ...}} per line") from None
+            text = item if isinstance(item, str) else (item.get("text") or item.get("query")
+                                                        if isinstance(item, dict) else None)
+            if not isinstance(text, str):
+                raise ValueError(f"{args.query_file}:{n}: expected a string or an object with \"text\"")
+            texts.append(text)
+    if not texts:
+        raise ValueError("give --query TEXT (repeatable) or --query-file F.jsonl")
+    return texts
+
+
+def _cmd_attribute(args: argparse.Namespace) -> int:
+    from .integrations.olmo_query import OLMoRun
+
+    run_dir = Path(args.run)
+    if not (run_dir / "config.yaml").exists() and (run_dir / "run" / "config.yaml").exists():
+        run_dir = run_dir / "run"                        # the demo's output folder
+    answers = OLMoRun(run_dir).attribute(_read_queries(args), method=args.method, top_k=args.top_k)
+    for answer in answers:
+        print(f"\nquery: {answer['query'][:100]!r}")
+        print(f"  {'#':>2} {'index':>8} {'step':>6} {'score':>9}  training passage")
+        for rank, r in enumerate(answer["results"], 1):
+            print(f"  {rank:>2} {r['index']:>8} {r['step']:>6} {r['score']:>+9.4f}  {r['text'][:80]!r}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(answers, indent=1))
+        print(f"\nwrote {args.json}")
     return 0
 
 
@@ -74,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs=argparse.REMAINDER,
                        help="dotted overrides in OLMo's style, e.g. --max_duration=100 --tda.capture.proj_dim=32")
     train.set_defaults(func=_cmd_train)
+    attr = sub.add_parser("attribute", help="which training passages made the model produce these texts?")
+    attr.add_argument("run", help="run directory of olmo-tda train (or the demo's output folder)")
+    attr.add_argument("--query", action="append", help="query text (repeatable)")
+    attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")
+    from .methods import available_methods
+    attr.add_argument("--method", default="gradcos", choices=available_methods())
+    attr.add_argument("--top-k", type=int, default=10)
+    attr.add_argument("--json", help="also write the answers as JSON here")
+    attr.set_defaults(func=_cmd_attribute)
     inspect = sub.add_parser("inspect", help="summarize a gradient store (or a run directory holding one)")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")

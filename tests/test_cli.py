@@ -11,19 +11,42 @@ from olmo_tda.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_quick_end_to_end(tmp_path, capsys):
-    assert main(["demo", "--quick", "--no-progress", "--out", str(tmp_path / "demo")]) == 0
-    out = capsys.readouterr().out
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("demo: 768 examples captured, self-query top-1 hit rate ")
+def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
+    """The demo runs OLMo pretraining with capture, answers its queries, and leaves a run that
+    `olmo-tda attribute` and `inspect` can open."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("demo: 512 examples captured, self-query top-1 hit rate ")
     hits, total = map(int, last.split("hit rate ")[1].split(",")[0].split("/"))
-    assert total == 8 and hits >= 3, last      # a 48-step run already finds most of its own passages
-    assert (tmp_path / "demo" / "report.html").read_text().count("<table>") >= 9
-    assert (tmp_path / "demo" / "training.png").stat().st_size > 1000
+    assert total == 8 and hits >= 7, last
+    assert (out / "report.html").read_text().count("<table>") >= 9
+    assert (out / "training.png").stat().st_size > 1000
+    assert (out / "run" / "config.yaml").exists() and (out / "run" / "tda.yaml").exists()
 
-    assert main(["inspect", str(tmp_path / "demo"), "--json"]) == 0
+    # a training passage, asked through the CLI, finds itself first; JSON has the documented shape
+    passage = json.loads((out / "data" / "passages.jsonl").read_text().splitlines()[5])
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"text": passage["text"]}) + "\n")
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "gradcos", "--top-k", "3",
+                 "--json", str(tmp_path / "a.json")]) == 0
+    answers = json.loads((tmp_path / "a.json").read_text())
+    assert answers[0]["query"] == passage["text"]
+    top = answers[0]["results"][0]
+    assert set(top) == {"index", "step", "score", "text"} and top["index"] == passage["index"]
+    assert top["text"] == passage["text"]
+
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["num_examples"] == 768
+    assert summary["num_examples"] == 512 and summary["num_rows"] == 1024
+
+
+def test_attribute_needs_a_query(tmp_path, capsys):
+    assert main(["attribute", str(tmp_path), "--query", "x"]) == 2
+    assert "not an olmo-tda run directory" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such config file" in capsys.readouterr().err
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -25,6 +25,7 @@ Example (what ``olmo-tda train run.yaml --tda.capture.proj_dim=32`` does)::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -103,6 +104,8 @@ class TDATrainer(Trainer):
     """OLMo's Trainer plus per-example gradient capture beside the optimizer step."""
 
     tda: TDAConfig = field(default_factory=TDAConfig)
+    step_callbacks: list = field(default_factory=list)
+    """Called as ``fn(step, metrics)`` after every optimizer step (progress bars, custom logging)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -110,6 +113,7 @@ class TDATrainer(Trainer):
         self.store = None
         self._record = None
         self._tda_stats = {"capture_s": 0.0, "rows": 0}
+        self._metrics_file = None
         if not self.tda.enabled:
             return
         self.capture = GradientCapture(self.dist_model, self.tda.capture)
@@ -117,6 +121,10 @@ class TDATrainer(Trainer):
         meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
                                                           "data_paths": list(self.cfg.data.paths or [])}}
         self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
+        itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
+        self._row_bytes = itemsize * sum(k_out * k_in for k_out, k_in in self.capture.layer_shapes.values())
+        if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
+            self._metrics_file = open(store_path.parent / "metrics.jsonl", "a", buffering=1)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -134,15 +142,25 @@ class TDATrainer(Trainer):
         return out
 
     def train_step(self, batch: dict[str, Any], reduce_global_loss: bool = True) -> dict[str, float]:
+        t0 = time.perf_counter()
         metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss)
         if self.store is not None and self._record is not None:
+            t1 = time.perf_counter()
             lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
             self.store.append(self._record.to_record(step=self.global_step, lr=lr))
             self._tda_stats["rows"] += len(self._record.ids)
             self._record = None
             stats = self.store.stats
+            # logged by OLMo itself (console, W&B); per rank, like OLMo's local metrics
             metrics["tda/rows_captured"] = float(self._tda_stats["rows"])
             metrics["tda/rows_skipped_nonfinite"] = float(stats.get("rows_skipped_nonfinite", 0))
+            metrics["tda/examples_per_s"] = len(batch["index"]) / max(time.perf_counter() - t0, 1e-9)
+            metrics["tda/append_ms"] = 1e3 * (time.perf_counter() - t1)
+            metrics["tda/bytes_written"] = float(stats.get("rows_written", 0) * self._row_bytes)
+        if self._metrics_file is not None:
+            self._metrics_file.write(json.dumps({"step": self.global_step, **metrics}) + "\n")
+        for callback in self.step_callbacks:
+            callback(self.global_step, metrics)
         return metrics
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -194,6 +212,8 @@ class TDATrainer(Trainer):
         finally:
             if self.capture is not None:
                 self.capture.remove()
+            if self._metrics_file is not None:
+                self._metrics_file.close()
             super().close(exit_code)
 
 

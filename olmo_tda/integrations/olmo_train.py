@@ -58,7 +58,8 @@ def _wrap(cfg, model, device):
     raise ValueError(f"distributed_strategy={cfg.distributed_strategy!r}: use ddp or fsdp")
 
 
-def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: type | None = None) -> TDATrainer:
+def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: type | None = None,
+                  step_callbacks=()) -> TDATrainer:
     """Model, wrapping, optimizer, scheduler, data loader and the trainer — OLMo's recipe.
     ``trainer_cls=olmo.train.Trainer`` builds OLMo's own trainer from the same pieces (parity tests)."""
     from olmo.data import build_train_dataloader
@@ -82,7 +83,7 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: ty
     optim = build_optimizer(cfg, dist_model)
     scheduler = build_scheduler(cfg)
     trainer_cls = trainer_cls or TDATrainer
-    extra = {"tda": tda_cfg} if issubclass(trainer_cls, TDATrainer) else {}
+    extra = {"tda": tda_cfg, "step_callbacks": list(step_callbacks)} if issubclass(trainer_cls, TDATrainer) else {}
     return trainer_cls(cfg=cfg, epoch=cfg.epoch, model=model, dist_model=dist_model, optim=optim,
                        scheduler=scheduler, train_loader=train_loader, device=device, evaluators=evaluators, **extra)
 
@@ -106,8 +107,9 @@ def _start_wandb(cfg) -> None:
                name=cfg.wandb.name, tags=cfg.wandb.tags, config=cfg.asdict(exclude=["wandb"]))
 
 
-def train(cfg, tda_cfg: TDAConfig) -> None:
-    """Run OLMo pretraining with TDA as configured (call under torchrun, or plainly for one process)."""
+def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
+    """Run OLMo pretraining with TDA as configured (call under torchrun, or plainly for one process).
+    ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step."""
     from olmo.config import CheckpointType
 
     device = init_distributed()
@@ -118,7 +120,7 @@ def train(cfg, tda_cfg: TDAConfig) -> None:
     dist.barrier()
     _start_wandb(cfg)
     try:
-        with build_trainer(cfg, tda_cfg, device) as trainer:
+        with build_trainer(cfg, tda_cfg, device, step_callbacks=step_callbacks) as trainer:
             if cfg.load_path is not None:
                 log.info("loading checkpoint %s", cfg.load_path)
                 trainer.restore_checkpoint(cfg.load_path, load_optimizer_state=not cfg.reset_optimizer_state,

@@ -14,8 +14,9 @@ __all__ = ["plot_training", "write_attribution_report"]
 
 
 def plot_training(path: Path, steps: Sequence[int], losses: Sequence[float],
-                  grad_norms: Sequence[float] | None = None, title: str = "training") -> Path:
-    """Loss curve (and mean per-example captured gradient norm, if given) as a PNG."""
+                  grad_norms: Sequence[float] | None = None, title: str = "training",
+                  second_label: str = "‖ĝ‖ (mean over batch)") -> Path:
+    """Loss curve (and a second per-step capture statistic, if given) as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,8 +28,7 @@ def plot_training(path: Path, steps: Sequence[int], losses: Sequence[float],
     axes[0][0].set(xlabel="step", ylabel="loss (nats/token)", title=f"{title}: loss")
     if grad_norms is not None:
         axes[0][1].plot(steps, grad_norms, lw=1, color="tab:orange")
-        axes[0][1].set(xlabel="step", ylabel="‖ĝ‖ (mean over batch)", title="captured gradient norm")
-        axes[0][1].set_yscale("log")
+        axes[0][1].set(xlabel="step", ylabel=second_label, title="capture")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
