@@ -169,3 +169,18 @@ def test_disabled_is_plain_olmo(data_dir):
     dist.destroy_process_group()
     assert losses["olmo"] == losses["off"] == losses["on"]
     assert not (data_dir / "run_parity_off" / "tda").exists() and (data_dir / "run_parity_on" / "tda").exists()
+
+
+def test_capture_stats_reach_wandb_offline(data_dir, tmp_path):
+    """tda/* step metrics go through OLMo's own W&B logging (offline here: no network)."""
+    run_dir = data_dir / "run_wandb"
+    _run(_overrides(data_dir, "run_wandb", 3, "--wandb.project=olmo-tda-test", "--wandb.log_interval=1",
+                    "--save_interval_unsharded=null"), env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    files = list((run_dir / "wandb").rglob("*.wandb"))
+    assert files, "no offline W&B run was written"
+    blob = files[0].read_bytes()
+    for key in ("tda/rows_captured", "tda/examples_per_s", "tda/bytes_written", "tda/rows_skipped_nonfinite",
+                "train/CrossEntropyLoss"):
+        assert key.encode() in blob, key
+    lines = [json.loads(x) for x in (run_dir / "tda" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["tda/rows_captured"] == 3 * GBS

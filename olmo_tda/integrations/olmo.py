@@ -206,6 +206,10 @@ class TDATrainer(Trainer):
         return super().save_checkpoint(checkpoint_type)
 
     def close(self, exit_code: int = 0) -> None:
+        import wandb
+
+        if wandb.run is not None:       # OLMo 0.6.0 calls finish(quiet=True), which wandb >= 0.19 rejects
+            wandb.finish(exit_code=exit_code)
         try:
             if self.store is not None:
                 self.store.close()
