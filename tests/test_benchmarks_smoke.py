@@ -43,3 +43,12 @@ def test_full_demo_under_five_minutes(tmp_path, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     hits = int(last.split("hit rate ")[1].split("/")[0])
     assert hits >= 7, last
+
+
+def test_olmo_overhead_runs():
+    res = _last_json("olmo_overhead.py", "--d-model", "64", "--n-layers", "1", "--seq", "32", "--rounds", "1",
+                     "--block", "1", "--ks", "16,64")
+    assert res["benchmark"] == "olmo_overhead"
+    assert res["plain_s"] > 0 and res["ratio_k64"] > 0 and res["cpu_ratio_k64"] > 0 and res["ratio_k16"] > 0
+    assert (res["d_model"], res["n_layers"], res["seq"], res["batch"], res["microbatch"]) == (64, 1, 32, 8, 8)
+    assert res["bytes_per_example_k64"] > res["bytes_per_example_k16"] > 0

@@ -50,11 +50,18 @@ def _wrap(cfg, model, device):
     if cfg.distributed_strategy == DistributedStrategy.ddp:
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if cfg.distributed_strategy == DistributedStrategy.fsdp:
-        return FSDP(model, sharding_strategy=cfg.fsdp.sharding_strategy,
+        # init_device: meta (OLMo's large-model setting): FSDP materializes each wrapped module
+        # empty on the device, then OLMo's own init runs once on the sharded model.
+        on_meta = any(p.is_meta for p in model.parameters())
+        wrapped = FSDP(model, sharding_strategy=cfg.fsdp.sharding_strategy,
                     mixed_precision=cfg.fsdp_precision if device.type == "cuda" else None,
                     auto_wrap_policy=model.get_fsdp_wrap_policy(cfg.fsdp.wrapping_strategy),
                     use_orig_params=cfg.fsdp.use_orig_params, limit_all_gathers=True,
-                    device_id=device.index if device.type == "cuda" else device)   # CPU FSDP needs the device named
+                    device_id=device.index if device.type == "cuda" else device,   # CPU FSDP needs the device named
+                    param_init_fn=(lambda module: module.to_empty(device=device, recurse=False)) if on_meta else None)
+        if on_meta:
+            model.reset_parameters()
+        return wrapped
     raise ValueError(f"distributed_strategy={cfg.distributed_strategy!r}: use ddp or fsdp")
 
 
@@ -62,6 +69,7 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: ty
                   step_callbacks=()) -> TDATrainer:
     """Model, wrapping, optimizer, scheduler, data loader and the trainer — OLMo's recipe.
     ``trainer_cls=olmo.train.Trainer`` builds OLMo's own trainer from the same pieces (parity tests)."""
+    from olmo.config import DistributedStrategy
     from olmo.data import build_train_dataloader
     from olmo.eval import build_evaluators
     from olmo.model import OLMo
@@ -72,8 +80,10 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: ty
     cfg.model.precision = cfg.precision
     cfg.device_train_batch_size = cfg.global_train_batch_size // world
     cfg.device_train_grad_accum = cfg.device_train_batch_size // cfg.device_train_microbatch_size
-    if device.type == "cpu":
-        cfg.model.init_device = "cpu"
+    if device.type == "cpu" and cfg.model.init_device == "cuda":
+        cfg.model.init_device = "cpu"                      # a CUDA-initialized config, run on CPU
+    if cfg.model.init_device == "meta" and cfg.distributed_strategy != DistributedStrategy.fsdp:
+        raise ValueError("model.init_device=meta needs distributed_strategy=fsdp (DDP needs real weights)")
     seed_all(cfg.seed)
     train_loader = build_train_dataloader(cfg)
     evaluators = build_evaluators(cfg, device) if cfg.evaluators else []
