@@ -25,10 +25,10 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from _timing import timed_block
 
 from olmo_tda import CaptureConfig, GradientCapture
 from olmo_tda.config import StoreConfig, StoreDType
@@ -89,16 +89,7 @@ class Trainer:
     def block(self, arm: str, batches: list[torch.Tensor], measure: bool) -> None:
         """Run a block; record (wall, CPU) seconds per step, the store drained inside the timing."""
         cap, store = self.arms[arm]
-        if cap is not None:
-            cap.resume()
-        t0, c0 = time.perf_counter(), time.process_time()
-        for batch in batches:
-            self.step(arm, batch)
-        if store is not None:
-            store.flush()
-        wall, cpu = (time.perf_counter() - t0) / len(batches), (time.process_time() - c0) / len(batches)
-        if cap is not None:
-            cap.pause()
+        wall, cpu = timed_block(lambda batch: self.step(arm, batch), batches, cap, store)
         if measure:
             self.times[arm].append(wall)
             self.cpu_times[arm].append(cpu)

@@ -32,12 +32,12 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+from _timing import timed_block
 
 from olmo_tda.config import StoreDType, TDAConfig
 
@@ -126,15 +126,7 @@ class Arms:
         cap, store = self.pairs.get(arm, (None, None))
         if cap is not None:
             t.capture, t.store = cap, store     # TDATrainer reads self.capture / self.store each step
-            cap.resume()
-        t0, c0 = time.perf_counter(), time.process_time()
-        for batch in batches:
-            self.step(arm, batch)
-        if store is not None:
-            store.flush()
-        wall, cpu = (time.perf_counter() - t0) / len(batches), (time.process_time() - c0) / len(batches)
-        if cap is not None:
-            cap.pause()
+        wall, cpu = timed_block(lambda batch: self.step(arm, batch), batches, cap, store)
         if measure:
             self.times[arm].append(wall)
             self.cpu_times[arm].append(cpu)

@@ -45,7 +45,7 @@ from ..config import ConfigError, TDAConfig
 from ..store import GradientStore
 
 try:
-    from olmo.config import CheckpointType, DistributedStrategy, TrainConfig
+    from olmo.config import CheckpointType, TrainConfig
     from olmo.train import Trainer
 except ImportError as e:  # pragma: no cover - ai2-olmo is a hard dependency, but say so clearly
     raise ImportError("olmo_tda.integrations.olmo needs ai2-olmo==0.6.0 (pip install ai2-olmo==0.6.0)") from e
