@@ -112,7 +112,7 @@ class TDATrainer(Trainer):
         self.capture: GradientCapture | None = None
         self.store = None
         self._record = None
-        self._tda_stats = {"capture_s": 0.0, "rows": 0}
+        self._rows_captured = 0
         self._metrics_file = None
         if not self.tda.enabled:
             return
@@ -134,11 +134,9 @@ class TDATrainer(Trainer):
         if "index" not in batch:
             raise RuntimeError("tda capture needs batch['index'] (global instance ids); OLMo's IterableDataset "
                                "provides it — a custom loader must too")
-        t0 = time.perf_counter()
         with self.capture.record(batch["index"], loss_scale=batch["input_ids"].numel()) as rec:
             out = super().train_batch(batch)
         self._record = rec
-        self._tda_stats["capture_s"] += time.perf_counter() - t0
         return out
 
     def train_step(self, batch: dict[str, Any], reduce_global_loss: bool = True) -> dict[str, float]:
@@ -148,11 +146,11 @@ class TDATrainer(Trainer):
             t1 = time.perf_counter()
             lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
             self.store.append(self._record.to_record(step=self.global_step, lr=lr))
-            self._tda_stats["rows"] += len(self._record.ids)
+            self._rows_captured += len(self._record.ids)
             self._record = None
             stats = self.store.stats
             # logged by OLMo itself (console, W&B); per rank, like OLMo's local metrics
-            metrics["tda/rows_captured"] = float(self._tda_stats["rows"])
+            metrics["tda/rows_captured"] = float(self._rows_captured)
             metrics["tda/rows_skipped_nonfinite"] = float(stats.get("rows_skipped_nonfinite", 0))
             metrics["tda/examples_per_s"] = len(batch["index"]) / max(time.perf_counter() - t0, 1e-9)
             metrics["tda/append_ms"] = 1e3 * (time.perf_counter() - t1)
