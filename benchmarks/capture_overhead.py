@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from _timing import timed_block
+from _timing import print_table, summarize, timed_block
 
 from olmo_tda import CaptureConfig, GradientCapture
 from olmo_tda.config import StoreConfig, StoreDType
@@ -129,21 +128,12 @@ def main(argv=None) -> dict:
             for arm in (names if round_ % 2 == 0 else names[::-1]):    # alternate who goes first
                 trainer.block(arm, batches, measure=round_ >= 1)
         bytes_per_arm = trainer.close()
-    plain = statistics.median(trainer.times["plain"])
-    plain_cpu = statistics.median(trainer.cpu_times["plain"])
-    rows = []
-    for arm in names:
-        med, med_cpu = statistics.median(trainer.times[arm]), statistics.median(trainer.cpu_times[arm])
-        rows.append({"arm": arm, "median_s": med, "ratio": med / plain, "cpu_s": med_cpu,
-                     "cpu_ratio": med_cpu / plain_cpu,
-                     "bytes_per_example": bytes_per_arm[arm] / max(1, trainer.examples[arm])})
+    rows = summarize(names, trainer.times, trainer.cpu_times, bytes_per_arm, trainer.examples)
+    plain = rows[0]["median_s"]
     print(f"capture overhead: OLMo d_model={args.d_model} layers={args.n_layers} seq={args.seq} batch={args.batch} "
           f"vocab={args.vocab} tied={args.tied} threads={torch.get_num_threads()} store={args.dtype} "
           f"rounds={args.rounds}x{args.block} steps")
-    print(f"{'arm':>6} {'wall s/step':>12} {'wall ratio':>10} {'CPU s/step':>11} {'CPU ratio':>10} {'bytes/example':>14}")
-    for r in rows:
-        print(f"{r['arm']:>6} {r['median_s']:>12.3f} {r['ratio']:>10.3f} {r['cpu_s']:>11.3f} {r['cpu_ratio']:>10.3f} "
-              f"{r['bytes_per_example']:>14.0f}")
+    print_table(rows)
     result = {"benchmark": "capture_overhead", "d_model": args.d_model, "n_layers": args.n_layers,
               "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "tied": args.tied,
               "rounds": args.rounds, "block": args.block, "plain_s": plain, "store_dtype": args.dtype,

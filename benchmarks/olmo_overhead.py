@@ -29,7 +29,6 @@ import dataclasses
 import json
 import logging
 import platform
-import statistics
 import sys
 import tempfile
 import warnings
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _timing import timed_block
+from _timing import print_table, summarize, timed_block
 
 from olmo_tda.config import StoreDType, TDAConfig
 
@@ -195,21 +194,12 @@ def main(argv=None) -> dict:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    plain = statistics.median(arms.times["plain"])
-    plain_cpu = statistics.median(arms.cpu_times["plain"])
-    rows = []
-    for arm in arms.names:
-        med, med_cpu = statistics.median(arms.times[arm]), statistics.median(arms.cpu_times[arm])
-        rows.append({"arm": arm, "median_s": med, "ratio": med / plain, "cpu_s": med_cpu,
-                     "cpu_ratio": med_cpu / plain_cpu,
-                     "bytes_per_example": bytes_per_arm[arm] / max(1, arms.examples[arm])})
+    rows = summarize(arms.names, arms.times, arms.cpu_times, bytes_per_arm, arms.examples)
+    plain, plain_cpu = rows[0]["median_s"], rows[0]["cpu_s"]
     print(f"OLMo trainer overhead: d_model={args.d_model} layers={args.n_layers} seq={args.seq} batch={args.batch} "
           f"microbatch={args.microbatch} vocab={args.vocab} tied={args.tied} data={data_kind} "
           f"threads={torch.get_num_threads()} store={args.dtype} rounds={args.rounds}x{args.block} steps")
-    print(f"{'arm':>6} {'wall s/step':>12} {'wall ratio':>10} {'CPU s/step':>11} {'CPU ratio':>10} {'bytes/example':>14}")
-    for r in rows:
-        print(f"{r['arm']:>6} {r['median_s']:>12.3f} {r['ratio']:>10.3f} {r['cpu_s']:>11.3f} {r['cpu_ratio']:>10.3f} "
-              f"{r['bytes_per_example']:>14.0f}")
+    print_table(rows)
     result = {"benchmark": "olmo_overhead", "d_model": args.d_model, "n_layers": args.n_layers, "seq": args.seq,
               "batch": args.batch, "microbatch": args.microbatch, "vocab": args.vocab, "tied": args.tied,
               "rounds": args.rounds, "block": args.block, "store_dtype": args.dtype, "data": data_kind,
