@@ -36,7 +36,9 @@ from olmo_tda.store import (
     StoreWriteError,
     StoreWriter,
 )
+from olmo_tda.store import manifest as manifest_module
 from olmo_tda.store import writer as writer_module
+from olmo_tda.store.manifest import RankLock
 
 META = worker.META
 LAYERS = [layer["name"] for layer in worker.LAYERS]
@@ -218,6 +220,26 @@ def test_bad_meta_and_bad_records_are_refused_in_the_caller(tmp_path):
         rec.grads[LAYERS[1]] = torch.zeros(3, 4, 5)
         with pytest.raises(ValueError, match=r"expected \[N, 4, 4\]"):
             w.append(rec)
+    rec = random_records([0])[0]
+    with pytest.raises(ValueError, match="one per row"):
+        GradientRecord(ids=rec.ids, step=0, lr=0.1, loss_scale=np.ones(2), grads=rec.grads)
+    with pytest.raises(ValueError, match="positive and finite"):
+        GradientRecord(ids=rec.ids, step=0, lr=0.1, loss_scale=np.array([1.0, 0.0, 2.0]), grads=rec.grads)
+
+
+def test_per_row_loss_scales_survive_duplicate_and_nonfinite_filtering(tmp_path):
+    """A record whose micro-batches were normalized differently keeps one loss_scale per row,
+    aligned with its ids after rows are skipped."""
+    rec = random_records([3], rows_per_step=4, seed=9)[0]
+    rec.ids[:] = [5, 6, 5, 7]                    # row 2 repeats id 5
+    rec.grads[LAYERS[0]][3, 0, 0] = float("nan")  # row 3 is non-finite
+    rec.loss_scale = np.array([11.0, 12.0, 13.0, 14.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonFiniteGradientWarning)
+        with GradientStore.create(tmp_path / "s", META, StoreConfig()) as w:
+            w.append(rec)
+    block = GradientStore.open(tmp_path / "s").read_all()
+    assert block.ids.tolist() == [5, 6] and block.loss_scale.tolist() == [11.0, 12.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +323,21 @@ def test_mismatched_append_is_refused_showing_both_sides(tmp_path, change, store
     GradientStore.create(path, META, StoreConfig()).close()  # the original settings still work
 
 
-def test_second_writer_of_the_same_rank_is_refused_and_ranks_are_independent(tmp_path):
+def test_a_writer_waits_out_another_ranks_brief_scan_of_its_lock(tmp_path):
+    """Ranks start together: rank 1's startup scan briefly takes rank 0's lock (looking for a dead
+    writer's debris) exactly when rank 0 acquires it. Rank 0 must wait, not fail."""
+    path = tmp_path / "s"
+    GradientStore.create(path, META, StoreConfig()).close()
+    held = RankLock.try_acquire(path, 0)
+    assert held is not None and held.held
+    threading.Timer(0.3, held.release).start()
+    t0 = time.monotonic()
+    GradientStore.create(path, META, StoreConfig()).close()
+    assert time.monotonic() - t0 >= 0.25
+
+
+def test_second_writer_of_the_same_rank_is_refused_and_ranks_are_independent(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_module, "LOCK_WAIT_S", 0.2)
     path = tmp_path / "s"
     w0 = GradientStore.create(path, META, StoreConfig(flush_every=1))
     with pytest.raises(StoreError, match="already being written"):

@@ -97,6 +97,11 @@ def write_manifest(root: Path, state: RankState) -> None:
     write_json_atomic(manifest_path(root, state.rank), state.to_json())
 
 
+LOCK_WAIT_S = 5.0
+"""How long a new writer waits for its rank's lock: readers and other ranks' writers take it briefly
+while scanning for a dead writer's debris (concurrent start of several ranks), a live writer keeps it."""
+
+
 class RankLock:
     """An exclusive ``flock`` on ``locks/r{rank}.lock``, held by a rank's writer while it is alive.
 
@@ -118,8 +123,16 @@ class RankLock:
         path = root / LOCK_DIR / f"r{rank:05d}.lock"
         path.parent.mkdir(exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + LOCK_WAIT_S
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            while True:   # another rank's scan holds this lock for milliseconds: wait that out
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.02)
         except BlockingIOError:
             os.close(fd)
             raise StoreError(

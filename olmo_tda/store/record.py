@@ -25,13 +25,22 @@ class GradientRecord:
     """Optimizer step at which these gradients were used (the step being taken)."""
     lr: float
     """Learning rate of that step (first parameter group)."""
-    loss_scale: float
-    """The divisor the loop applied to the summed token loss (undone in ``grads``); kept for TracIn."""
+    loss_scale: float | np.ndarray
+    """The divisor the loop applied to the summed token loss (undone in ``grads``); kept for TracIn.
+    One number for the whole record, or float64 ``[N]`` per row when micro-batches were normalized
+    differently (e.g. a token mean per DeepSpeed micro-batch)."""
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ids = np.asarray(self.ids, dtype=np.int64).reshape(-1)
         n = len(self.ids)
+        scale = np.asarray(self.loss_scale, dtype=np.float64)
+        if scale.ndim not in (0, 1) or (scale.ndim == 1 and len(scale) != n):
+            raise ValueError(f"GradientRecord: loss_scale must be a number or one per row ({n}), "
+                             f"got shape {scale.shape}")
+        if not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"GradientRecord: loss_scale must be positive and finite, got {self.loss_scale!r}")
+        self.loss_scale = float(scale) if scale.ndim == 0 else scale
         for name, g in self.grads.items():
             if g.ndim != 3 or g.shape[0] != n:
                 raise ValueError(f"GradientRecord: grads[{name!r}] has shape {tuple(g.shape)}, "

@@ -165,7 +165,7 @@ class StoreWriter:
                 raise ValueError(f"gradient store {self.path}: grads[{name!r}] is {tuple(g.shape)} "
                                  f"{g.dtype}, expected [N, {', '.join(map(str, self.layer_shapes[name]))}] float")
         item = GradientRecord(ids=np.array(record.ids, dtype=np.int64), step=int(record.step),
-                              lr=float(record.lr), loss_scale=float(record.loss_scale),
+                              lr=float(record.lr), loss_scale=record.loss_scale,
                               grads={name: g.detach() for name, g in record.grads.items()})
         self._put(item)
         self._raise_pending()
@@ -345,11 +345,12 @@ class StoreWriter:
             self._window_nonfinite.append((step, ids[bad]))
         if not keep.any():
             return
+        loss_scale = np.broadcast_to(np.asarray(record.loss_scale, dtype=np.float64), ids.shape)
         if not keep.all():
-            ids, words = ids[keep], [w[keep] for w in words]
+            ids, words, loss_scale = ids[keep], [w[keep] for w in words], loss_scale[keep]
         n = len(ids)
         self._chunks.append({"ids": ids, "steps": np.full(n, step, dtype=np.int64),
-                             "lr": np.full(n, record.lr), "loss_scale": np.full(n, record.loss_scale),
+                             "lr": np.full(n, record.lr), "loss_scale": np.ascontiguousarray(loss_scale),
                              "grads": words})
         self._window_keys.setdefault(step, []).append(ids)
 
