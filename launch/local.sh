@@ -19,34 +19,9 @@ set -euo pipefail
 
 readonly prog=local.sh
 
-die() {
-    printf '%s: error: %s\n' "$prog" "$*" >&2
-    exit 2
-}
-
-usage() {
-    sed -n '2,/^# See launch/s/^# \{0,1\}//p' "$0"
-}
-
-if [[ $# -lt 1 ]]; then
-    usage >&2
-    exit 2
-fi
-case "$1" in
-    -h | --help)
-        usage
-        exit 0
-        ;;
-esac
-
-case "${DRY_RUN:-0}" in
-    0 | 1) ;;
-    *) die "DRY_RUN must be 0 or 1, got '${DRY_RUN}'" ;;
-esac
-
-config="$1"
+# shellcheck source=_local_args.sh source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/_local_args.sh"
 shift
-[[ -f "$config" ]] || die "config file not found: $config"
 
 # A second argument that is all digits is NPROC; anything else (an override) leaves NPROC at 1.
 num_procs=1

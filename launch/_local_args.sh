@@ -1,0 +1,32 @@
+# shellcheck shell=bash disable=SC2154  # prog is set by the sourcing script
+# Shared argument handling of the single-node launchers (local.sh, local_deepspeed.sh), sourced by
+# them after they set `prog`: die/usage, --help, the DRY_RUN check, and the CONFIG argument.
+# Sets `config` and leaves the remaining arguments for the caller to `shift` past (one).
+
+die() {
+    printf '%s: error: %s\n' "$prog" "$*" >&2
+    exit 2
+}
+
+usage() {
+    sed -n '2,/^# See launch/s/^# \{0,1\}//p' "$0"
+}
+
+if [[ $# -lt 1 ]]; then
+    usage >&2
+    exit 2
+fi
+case "$1" in
+    -h | --help)
+        usage
+        exit 0
+        ;;
+esac
+
+case "${DRY_RUN:-0}" in
+    0 | 1) ;;
+    *) die "DRY_RUN must be 0 or 1, got '${DRY_RUN}'" ;;
+esac
+
+config="$1"
+[[ -f "$config" ]] || die "config file not found: $config"
