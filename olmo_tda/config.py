@@ -31,6 +31,8 @@ __all__ = [
     "StoreDType",
     "CaptureConfig",
     "StoreConfig",
+    "LossReduction",
+    "BatchConfig",
     "TDAConfig",
     "parse_config",
     "apply_overrides",
@@ -57,6 +59,18 @@ class StoreDType(str, enum.Enum):
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+
+
+class LossReduction(str, enum.Enum):
+    """How a loop without OLMo's trainer reduced each micro-batch's token losses to the scalar it
+    backpropagates (the divisor capture undoes)."""
+
+    TOKEN_MEAN = "token_mean"
+    """Sum of CE over the micro-batch's counted label positions / their number (HF, Megatron)."""
+    EXAMPLE_MEAN = "example_mean"
+    """Mean over the micro-batch's examples of each example's summed token loss."""
+    SUM = "sum"
+    """Plain sum over examples and tokens."""
 
 
 def _check(ok: bool, path: str, message: str) -> None:
@@ -132,6 +146,29 @@ class StoreConfig:
 
 
 @dataclass(kw_only=True)
+class BatchConfig:
+    """What a forward's batch tells capture in loops without OLMo's trainer (DeepSpeed, plain torch):
+    which examples it holds and how their loss was normalized. OLMo runs ignore this section."""
+
+    ids_key: str = "index"
+    """Key of the global example ids (data indices) in the batch dict given to the model."""
+    reduction: LossReduction = LossReduction.TOKEN_MEAN
+    """How the loop reduced token losses to the backpropagated scalar of one micro-batch."""
+    labels_key: str = "labels"
+    """Key of the label tensor counted by ``reduction: token_mean``."""
+    ignore_index: int = -100
+    """Label value that contributes no loss (not counted)."""
+    shift_labels: bool = False
+    """True when the model shifts labels itself (``labels == input_ids``, HF style): the first
+    position of each row is then not counted."""
+
+    def validate(self, path: str = "batch") -> None:
+        _check_types(self, path)
+        _check(bool(self.ids_key), f"{path}.ids_key", "must be a non-empty key name")
+        _check(bool(self.labels_key), f"{path}.labels_key", "must be a non-empty key name")
+
+
+@dataclass(kw_only=True)
 class TDAConfig:
     """The whole ``tda:`` section. ``enabled: true`` is the one flag that switches TDA on."""
 
@@ -139,11 +176,13 @@ class TDAConfig:
     """Master switch. False means no hooks, no threads, no files: the run is the plain run."""
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
 
     def validate(self, path: str = "tda") -> None:
         _check_types(self, path)
         self.capture.validate(f"{path}.capture")
         self.store.validate(f"{path}.store")
+        self.batch.validate(f"{path}.batch")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, path: str = "tda") -> "TDAConfig":

@@ -33,6 +33,9 @@ def test_defaults_and_round_trip():
     ({"store": {"flush_every": 0}}, r"tda\.store\.flush_every: must be >= 1"),
     ({"store": {"compression": "zstd"}}, r"tda\.store\.compression"),
     ({"store": []}, r"tda\.store: expected a mapping"),
+    ({"batch": {"reducton": "sum"}}, r"tda\.batch\.reducton: unknown key; did you mean 'reduction'\?"),
+    ({"batch": {"reduction": "mean"}}, r"tda\.batch\.reduction: 'mean' is not one of \['token_mean', 'example_mean', 'sum'\]"),
+    ({"batch": {"ids_key": ""}}, r"tda\.batch\.ids_key: must be a non-empty key name"),
 ])
 def test_bad_input_names_the_key(data, match):
     with pytest.raises(ConfigError, match=match):

@@ -16,6 +16,8 @@ from olmo_tda.config import StoreDType, TDAConfig
 from olmo_tda.integrations.olmo import load_configs
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+DEEPSPEED_CONFIGS = [p for p in CONFIGS if p.name.startswith("deepspeed")]   # run YAMLs of the DeepSpeed example
+OLMO_CONFIGS = [p for p in CONFIGS if p not in DEEPSPEED_CONFIGS]
 OLMO_1B = CONFIGS[0].parent / "olmo_1b.yaml"
 BLOCK_LINEARS = ("att_proj", "attn_out", "ff_proj", "ff_out")
 
@@ -55,10 +57,23 @@ def _leaf_keys(tda: dict, prefix: str = "") -> set[str]:
 
 
 def test_there_are_configs():
-    assert OLMO_1B in CONFIGS and len(CONFIGS) >= 2
+    assert OLMO_1B in CONFIGS and len(OLMO_CONFIGS) >= 2 and DEEPSPEED_CONFIGS
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", DEEPSPEED_CONFIGS, ids=lambda p: p.name)
+def test_deepspeed_config_loads_and_its_tda_section_parses(path):
+    from olmo.config import ModelConfig
+
+    from olmo_tda.integrations.deepspeed_pretrain import load_config
+
+    cfg = load_config(path, ["--steps=3"])
+    assert cfg["steps"] == 3 and cfg["deepspeed"]["zero_optimization"]["stage"] in (0, 1, 2, 3)
+    tda = TDAConfig.from_dict(cfg["tda"])
+    assert tda.enabled and tda.batch.ids_key == "index"
+    ModelConfig(**cfg["model"])                     # every model key is an OLMo ModelConfig field
+
+
+@pytest.mark.parametrize("path", OLMO_CONFIGS, ids=lambda p: p.name)
 def test_config_loads_without_its_data(path):
     cfg, tda = load_configs(path)          # plain data paths: nothing is globbed or opened
     assert isinstance(tda, TDAConfig)
@@ -93,10 +108,13 @@ def test_every_tda_key_is_commented(path):
 
 
 def test_configs_show_the_same_tda_keys():
-    """A key explained in one shipped config is explained in all of them."""
-    keys = {path.name: _documented_tda_keys(path) for path in CONFIGS}
+    """A key explained in one shipped config is explained in all of them — except ``batch.*``, which
+    only loops without OLMo's trainer read (the DeepSpeed configs explain it)."""
+    keys = {path.name: {k for k in _documented_tda_keys(path) if not k.startswith("batch.")} for path in CONFIGS}
     union = set().union(*keys.values())
     assert all(k == union for k in keys.values()), {name: sorted(union - k) for name, k in keys.items()}
+    for path in DEEPSPEED_CONFIGS:
+        assert {k for k in _documented_tda_keys(path) if k.startswith("batch.")} >= {"batch.ids_key", "batch.reduction"}
 
 
 def test_olmo_1b_values():

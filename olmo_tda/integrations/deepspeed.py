@@ -1,0 +1,366 @@
+"""DeepSpeed integration: per-example gradient capture through a ``DeepSpeedEngine`` (ZeRO 0-3),
+with the user's loop unchanged.
+
+One line after ``deepspeed.initialize``::
+
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    tda = olmo_tda.integrations.deepspeed.attach(engine)       # reads ds_config["tda"]
+    for batch in loader:                                        # batch: {"input_ids", "labels", "index"}
+        loss = engine(batch)
+        engine.backward(loss)                                   # or loss.backward()
+        engine.step()
+    tda.close()
+
+What happens, per micro-batch and per optimizer step:
+
+- a forward pre-hook on ``engine.module`` reads the micro-batch's global example ids
+  (``batch[tda.batch.ids_key]``) and the divisor of its loss (``tda.batch.reduction``: counted labels,
+  examples, or 1), and opens a capture record for it, scaled by that divisor times the engine's
+  gradient-accumulation division (and the fp16 loss scale when ``engine.backward`` applies one);
+- the capture hooks (:class:`~olmo_tda.capture.GradientCapture`) see only activations and output
+  gradients, which every ZeRO stage leaves whole, so partitioned parameters (``zero.Init``, stage 3)
+  need nothing special;
+- ``engine.step()`` at the accumulation boundary commits the micro-batch records as one store record
+  with the step number and the lr the optimizer used; a step the engine skipped (overflow) is dropped;
+- ``engine.save_checkpoint`` flushes the store and adds the TDA state to ``client_state``;
+  ``engine.load_checkpoint`` takes it back out and truncates the store after the checkpoint's step, so
+  a resumed run neither duplicates nor misses an (id, step).
+
+DeepSpeed has no callback API, so ``step``, ``backward``, ``scale``, ``save_checkpoint`` and
+``load_checkpoint`` are wrapped on this engine instance (never on the class);
+:meth:`DeepSpeedTDA.remove` restores them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import inspect
+import logging
+import weakref
+from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..capture import GradientCapture
+from ..capture.hooks import Recording, _in_backward
+from ..config import ConfigError, LossReduction, TDAConfig
+from ..store import GradientRecord, GradientStore
+
+__all__ = ["attach", "DeepSpeedTDA", "STATE_KEY"]
+
+log = logging.getLogger(__name__)
+
+STATE_KEY = "olmo_tda"
+"""Key of the TDA state in DeepSpeed checkpoints' ``client_state``."""
+
+_WRAPPED = ("step", "backward", "scale", "save_checkpoint", "load_checkpoint")
+
+BatchInfo = Callable[[tuple, dict], "tuple[Any, float]"]
+"""``fn(forward_args, forward_kwargs) -> (ids, divisor)`` for batches our config cannot read."""
+
+
+def attach(engine: Any, config: TDAConfig | Mapping | str | Path | None = None, *,
+           capture: GradientCapture | None = None, batch_info: BatchInfo | None = None) -> "DeepSpeedTDA":
+    """Capture every example of every optimizer step of ``engine`` into a gradient store.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize``.
+        config: a :class:`~olmo_tda.config.TDAConfig`, the ``tda`` mapping, or a YAML file with a
+            ``tda:`` section. ``None`` reads the ``"tda"`` entry of the engine's DeepSpeed config.
+        capture: a :class:`GradientCapture` already attached to the model (e.g. before
+            ``deepspeed.initialize``); by default one is built on ``engine.module``.
+        batch_info: custom ``(ids, divisor)`` extraction for batches that are not dicts.
+    """
+    return DeepSpeedTDA(engine, _resolve_config(engine, config), capture=capture, batch_info=batch_info)
+
+
+def _resolve_config(engine: Any, config: Any) -> TDAConfig:
+    if isinstance(config, TDAConfig):
+        config.validate()
+        return config
+    if isinstance(config, (str, Path)):
+        return TDAConfig.from_yaml(config)
+    if isinstance(config, Mapping):
+        return TDAConfig.from_dict(dict(config))
+    if config is not None:
+        raise ConfigError(f"tda: expected a TDAConfig, a mapping or a YAML path, got {type(config).__name__}")
+    ds_config = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    if ds_config is None and isinstance(getattr(engine, "config", None), Mapping):
+        ds_config = engine.config
+    section = (ds_config or {}).get("tda")
+    if section is None:
+        raise ConfigError("tda: no config given and the DeepSpeed config has no 'tda' entry; pass "
+                          "attach(engine, config=...) or add \"tda\": {\"enabled\": true, ...} to the DeepSpeed config")
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"tda: the DeepSpeed config's 'tda' entry must be a mapping, got {type(section).__name__}")
+    return TDAConfig.from_dict(dict(section))
+
+
+class DeepSpeedTDA:
+    """The TDA session of one engine: capture, store, and the engine-method wrappers."""
+
+    def __init__(self, engine: Any, config: TDAConfig, *, capture: GradientCapture | None = None,
+                 batch_info: BatchInfo | None = None):
+        self.engine = engine
+        self.config = config
+        self.capture: GradientCapture | None = None
+        self.store = None
+        self.steps_committed = 0
+        self.steps_dropped = 0
+        self.rows_captured = 0
+        self._batch_info = batch_info
+        self._explicit: tuple[Any, float] | None = None
+        self._open: contextlib.ExitStack | None = None
+        self._open_rec: Recording | None = None
+        self._pending: list[Recording] = []
+        self._handles: list[Any] = []
+        self._owns_capture = capture is None
+        self._warned_unused = False
+        if not config.enabled:
+            return
+        if config.store.path is None:
+            raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
+                              "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
+        self.capture = capture if capture is not None else GradientCapture(engine.module, config.capture)
+        meta = self.capture.store_metadata() | {"extra": {"framework": "deepspeed",
+                                                          "zero_stage": int(engine.zero_optimization_stage()),
+                                                          "gradient_accumulation_steps": self._gas()}}
+        self.store = GradientStore.create(Path(config.store.path), meta, config.store, rank=_rank())
+        try:
+            self._handles.append(engine.module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+            for name in _WRAPPED:
+                if hasattr(type(engine), name):      # `scale` (manual backward) is DeepSpeed >= 0.18
+                    setattr(engine, name, getattr(self, f"_{name}"))
+        except BaseException:
+            self.remove()
+            raise
+        self._atexit = partial(_close_at_exit, weakref.WeakMethod(self.close))
+        atexit.register(self._atexit)
+
+    # -- per micro-batch ---------------------------------------------------------------------------
+
+    def set_batch(self, ids: Any, divisor: float) -> None:
+        """Declare the ids and loss divisor of the next forward (for loops whose model input does not
+        carry the ids); overrides the config for that one forward."""
+        self._explicit = (ids, float(divisor))
+
+    def _on_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or _in_backward() or self.capture.paused:
+            return                          # evaluation, or an activation-checkpoint recompute
+        self._close_open()
+        ids, divisor = self._read_batch(args, kwargs)
+        stack = contextlib.ExitStack()
+        self._open_rec = stack.enter_context(self.capture.record(ids, loss_scale=divisor * self._gas()))
+        self._open = stack
+
+    def _read_batch(self, args: tuple, kwargs: dict) -> tuple[Any, float]:
+        if self._explicit is not None:
+            info, self._explicit = self._explicit, None
+            return info
+        if self._batch_info is not None:
+            return self._batch_info(args, kwargs)
+        cfg = self.config.batch
+        batch = next((a for a in args if isinstance(a, Mapping)), kwargs)
+        if cfg.ids_key not in batch:
+            raise ConfigError(
+                f"tda.batch.ids_key: the model's input has no {cfg.ids_key!r} entry (keys: {sorted(batch)}); "
+                "pass a dict batch holding the global example ids, set tda.batch.ids_key, call "
+                "tda.set_batch(ids, divisor) before the forward, or attach(..., batch_info=fn)")
+        ids = batch[cfg.ids_key]
+        num = len(ids)
+        if cfg.reduction is LossReduction.SUM:
+            return ids, 1.0
+        if cfg.reduction is LossReduction.EXAMPLE_MEAN:
+            return ids, float(num)
+        labels = batch.get(cfg.labels_key)
+        if labels is None:
+            raise ConfigError(f"tda.batch.reduction: token_mean counts batch[{cfg.labels_key!r}], which the "
+                              f"model's input lacks (keys: {sorted(batch)}); set tda.batch.labels_key or the reduction")
+        if cfg.shift_labels:
+            labels = labels[..., 1:]
+        counted = int((labels != cfg.ignore_index).sum())
+        return ids, float(max(counted, 1))   # all-masked: the loss is 0/0, its rows are non-finite anyway
+
+    def _close_open(self) -> None:
+        if self._open is None:
+            return
+        self._open.close()
+        rec, self._open, self._open_rec = self._open_rec, None, None
+        if rec.num_backward_rows == 0:
+            if not self._warned_unused:
+                self._warned_unused = True
+                log.warning("tda: a training-mode forward was never backpropagated before the next forward or "
+                            "step; its examples are not recorded (run evaluation under torch.no_grad())")
+            return
+        self._pending.append(rec)
+
+    # -- engine method wrappers --------------------------------------------------------------------
+
+    def _backward(self, *args: Any, **kwargs: Any) -> Any:
+        orig = type(self.engine).backward
+        bound = inspect.signature(orig).bind(self.engine, *args, **kwargs)
+        rec = self._open_rec
+        if rec is not None:
+            if not bound.arguments.get("scale_wrt_gas", True):
+                rec.loss_scale /= self._gas()
+            rec.loss_scale *= self._fp16_loss_scale()
+        return orig(self.engine, *args, **kwargs)
+
+    def _scale(self, loss: Any) -> Any:
+        """``engine.scale(loss).backward()``: the manual-backward form of fp16 loss scaling."""
+        if self._open_rec is not None:
+            self._open_rec.loss_scale *= self._fp16_loss_scale()
+        return type(self.engine).scale(self.engine, loss)
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        boundary = engine.is_gradient_accumulation_boundary() or not _managed_accumulation(engine)
+        if not boundary:
+            return type(engine).step(engine, *args, **kwargs)
+        lr = float(engine.get_lr()[0])          # the scheduler moves it inside step(), after the update
+        self._close_open()
+        out = type(engine).step(engine, *args, **kwargs)
+        records, self._pending = self._pending, []
+        if engine.was_step_applied():
+            self._commit(records, step=int(engine.global_steps), lr=lr)
+        else:
+            self.steps_dropped += 1
+            log.info("tda: step %d was skipped by the engine (overflow); its %d examples are not recorded",
+                     engine.global_steps, sum(len(r.ids) for r in records))
+        return out
+
+    def _commit(self, records: list[Recording], step: int, lr: float) -> None:
+        if not records:
+            return
+        ids = np.concatenate([r.ids for r in records])
+        scales = np.concatenate([np.full(len(r.ids), r.loss_scale) for r in records])
+        parts = [r.dense() for r in records]
+        grads = {name: torch.cat([p[name] for p in parts]) if len(parts) > 1 else parts[0][name]
+                 for name in parts[0]}
+        self.store.append(GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads))
+        self.steps_committed += 1
+        self.rows_captured += len(ids)
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is not None and monitor.enabled and _rank() == 0:
+            samples = int(getattr(self.engine, "global_samples", step))
+            monitor.write_events([(f"tda/{k}", float(v), samples) for k, v in self.metrics().items()])
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        orig = type(self.engine).save_checkpoint
+        bound = inspect.signature(orig).bind(self.engine, *args, **kwargs)
+        bound.apply_defaults()
+        self.store.flush()                      # every committed step is durable before the checkpoint exists
+        bound.arguments["client_state"] = {**(bound.arguments["client_state"] or {}), STATE_KEY: self.state_dict()}
+        return orig(*bound.args, **bound.kwargs)
+
+    def _load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        out = type(self.engine).load_checkpoint(self.engine, *args, **kwargs)
+        load_path, client_state = out
+        if load_path is None:
+            return out
+        saved = client_state.pop(STATE_KEY, None) if isinstance(client_state, dict) else None
+        self.load_state_dict(saved)
+        return out
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume the store: plain types only."""
+        return {"store": str(self.store.path), "step": int(self.engine.global_steps),
+                "projector_hash": self.capture.projector_hash}
+
+    def load_state_dict(self, state: Mapping | None) -> None:
+        """Resume after ``engine.load_checkpoint``: refuse other projectors, drop rows past the
+        checkpoint's step (they will be re-run) and any half-accumulated micro-batches."""
+        if state is not None and state.get("projector_hash") != self.capture.projector_hash:
+            raise ConfigError(f"tda.capture: resuming with projectors {self.capture.projector_hash} but the "
+                              f"checkpoint's store used {state.get('projector_hash')}; keep tda.capture as it was")
+        if self._open is not None:
+            self._open.close()
+        self._open, self._open_rec, self._pending = None, None, []
+        step = int(self.engine.global_steps)
+        dropped = self.store.truncate_after(step)
+        if dropped:
+            log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, step)
+
+    def metrics(self) -> dict[str, float]:
+        """``tda/*`` numbers for logging (DeepSpeed's monitor gets them after every step on rank 0)."""
+        stats = self.store.stats if self.store is not None else {}
+        return {"rows_captured": self.rows_captured, "steps_committed": self.steps_committed,
+                "steps_dropped_overflow": self.steps_dropped,
+                "rows_skipped_nonfinite": stats.get("rows_skipped_nonfinite", 0)}
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Make every committed step durable now."""
+        if self.store is not None:
+            self.store.flush()
+
+    def remove(self) -> None:
+        """Restore the engine's methods and remove every hook; the store stays open (see :meth:`close`)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for name in _WRAPPED:
+            self.engine.__dict__.pop(name, None)
+        if self._open is not None:
+            self._open.close()
+            self._open = self._open_rec = None
+        if self.capture is not None and self._owns_capture:
+            self.capture.remove()
+
+    def close(self) -> None:
+        """Flush and close the store, then :meth:`remove`. Idempotent; also runs at interpreter exit.
+        Micro-batches of an unfinished accumulation window are not recorded."""
+        try:
+            if self.store is not None:
+                self.store.close()
+        finally:
+            self.remove()
+            if getattr(self, "_atexit", None) is not None:
+                atexit.unregister(self._atexit)
+                self._atexit = None
+
+    def __enter__(self) -> "DeepSpeedTDA":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- engine facts ------------------------------------------------------------------------------
+
+    def _gas(self) -> int:
+        return int(self.engine.gradient_accumulation_steps())
+
+    def _fp16_loss_scale(self) -> float:
+        """The factor ``engine.backward`` multiplies the loss by (1 unless fp16 loss scaling is on)."""
+        engine = self.engine
+        scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+        if scaler is not None:
+            return float(scaler.get_scale())
+        if not engine.fp16_enabled():
+            return 1.0
+        scale = engine._get_optimizer_loss_scale()   # DeepSpeed keeps the live dynamic scale there
+        return float(scale) if scale else 1.0
+
+
+def _close_at_exit(ref: weakref.WeakMethod) -> None:
+    close = ref()
+    if close is not None:
+        close()
+
+
+def _managed_accumulation(engine: Any) -> bool:
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    return True if managed is None else bool(managed())
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
