@@ -52,3 +52,12 @@ def test_olmo_overhead_runs():
     assert res["plain_s"] > 0 and res["ratio_k64"] > 0 and res["cpu_ratio_k64"] > 0 and res["ratio_k16"] > 0
     assert (res["d_model"], res["n_layers"], res["seq"], res["batch"], res["microbatch"]) == (64, 1, 32, 8, 8)
     assert res["bytes_per_example_k64"] > res["bytes_per_example_k16"] > 0
+
+
+def test_deepspeed_overhead_runs():
+    res = _last_json("deepspeed_overhead.py", "--d-model", "64", "--n-layers", "1", "--seq", "32", "--vocab", "128",
+                     "--rounds", "1", "--block", "1", "--k", "16")
+    assert res["benchmark"] == "deepspeed_overhead" and res["zero_stage"] == 2
+    assert res["plain_s"] > 0 and res["ratio_k16"] > 0 and res["cpu_ratio_k16"] > 0
+    # the 4 Linears of one block + the head at k=16: float32 rows reached the disk
+    assert res["bytes_per_example_k16"] > 4 * 16 * 16
