@@ -71,12 +71,14 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     if not (run_dir / "config.yaml").exists() and (run_dir / "run" / "config.yaml").exists():
         run_dir = run_dir / "run"                        # the demo's output folder
-    answers = OLMoRun(run_dir).attribute(_read_queries(args), method=args.method, top_k=args.top_k)
+    answers = OLMoRun(run_dir).attribute(_read_queries(args), method=args.method, top_k=args.top_k,
+                                         progress=sys.stderr.isatty())
     for answer in answers:
         print(f"\nquery: {answer['query'][:100]!r}")
         print(f"  {'#':>2} {'index':>8} {'step':>6} {'score':>9}  training passage")
         for rank, r in enumerate(answer["results"], 1):
-            print(f"  {rank:>2} {r['index']:>8} {r['step']:>6} {r['score']:>+9.4f}  {r['text'][:80]!r}")
+            step = "all" if r["step"] < 0 else r["step"]
+            print(f"  {rank:>2} {r['index']:>8} {step:>6} {r['score']:>+9.4f}  {r['text'][:80]!r}")
     if args.json:
         Path(args.json).write_text(json.dumps(answers, indent=1))
         print(f"\nwrote {args.json}")
@@ -86,7 +88,18 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .store import GradientStore
 
-    summary = GradientStore.open(resolve_store(args.path)).summary()
+    from .training.trajectory import Trajectory
+
+    path = Path(args.path)
+    trajectory = next((c for c in (path / "tda" / "trajectory", path / "run" / "tda" / "trajectory", path)
+                       if c.is_dir() and any(c.glob("step*/meta.json"))), None)
+    store_dir = resolve_store(path)
+    summary = GradientStore.open(store_dir).summary() if (store_dir / "store.json").exists() or trajectory is None else {}
+    if trajectory is not None:
+        t = Trajectory.summary(trajectory)
+        summary["trajectory"] = {"path": t["path"], "checkpoints": t["checkpoints"], "steps": t["steps"],
+                                 "bytes": t["bytes"], "bytes_each": [c.bytes for c in Trajectory.list(trajectory)],
+                                 "dtype": t["dtype"], "lrs": t["lrs"]}
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -117,11 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("--query", action="append", help="query text (repeatable)")
     attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")
     from .methods import available_methods
-    attr.add_argument("--method", default="gradcos", choices=available_methods())
+    attr.add_argument("--method", default="gradcos", choices=[*available_methods(), "tracin", "tracin-inrun"],
+                      help="tracin: TracIn-CP over the run's trajectory checkpoints; tracin-inrun: the captured "
+                           "gradients weighted by lr/loss_scale, queries at the nearest checkpoint")
     attr.add_argument("--top-k", type=int, default=10)
     attr.add_argument("--json", help="also write the answers as JSON here")
     attr.set_defaults(func=_cmd_attribute)
-    inspect = sub.add_parser("inspect", help="summarize a gradient store (or a run directory holding one)")
+    inspect = sub.add_parser("inspect", help="summarize a gradient store and trajectory (or a run directory holding them)")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     inspect.set_defaults(func=_cmd_inspect)

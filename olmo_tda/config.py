@@ -33,6 +33,9 @@ __all__ = [
     "StoreConfig",
     "LossReduction",
     "BatchConfig",
+    "TrajectorySchedule",
+    "TrajectoryRetention",
+    "TrajectoryConfig",
     "TDAConfig",
     "parse_config",
     "apply_overrides",
@@ -79,8 +82,13 @@ def _check(ok: bool, path: str, message: str) -> None:
 
 
 def _check_types(obj: Any, path: str) -> None:
-    """Type-check a config built directly in Python as strictly as one parsed from YAML."""
-    _parse_dataclass(type(obj), {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, path)
+    """Type-check a config built directly in Python as strictly as one parsed from YAML, and
+    normalize its plain fields the same way (``schedule="log"`` becomes the enum member)."""
+    parsed = _parse_dataclass(type(obj), {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, path)
+    for f in dataclasses.fields(obj):
+        value = getattr(parsed, f.name)
+        if not dataclasses.is_dataclass(value):
+            setattr(obj, f.name, value)
 
 
 @dataclass(kw_only=True)
@@ -168,6 +176,58 @@ class BatchConfig:
         _check(bool(self.labels_key), f"{path}.labels_key", "must be a non-empty key name")
 
 
+class TrajectorySchedule(str, enum.Enum):
+    """When a trajectory checkpoint is kept (step 0, the initial weights, is always kept)."""
+
+    EVERY = "every"
+    """Every ``every`` optimizer steps."""
+    LOG = "log"
+    """At steps ``every``, 2·every, 4·every, ...: dense early, where the weights move most."""
+    LR = "lr"
+    """When the learning rate summed since the last checkpoint reaches ``every`` × the highest lr
+    seen: denser while the lr is high (equals ``every`` under a constant lr)."""
+
+
+class TrajectoryRetention(str, enum.Enum):
+    """Which checkpoints survive once there are more than ``keep``."""
+
+    ALL = "all"
+    """Keep every checkpoint (``keep`` is ignored)."""
+    LAST = "last"
+    """Keep the newest ``keep``."""
+    THINNED = "thinned"
+    """Keep ``keep`` spread over the whole run: drop the one whose removal leaves the shortest gap
+    between its neighbours (never the first or the newest)."""
+
+
+@dataclass(kw_only=True)
+class TrajectoryConfig:
+    """Light trajectory checkpoints for TracIn: weights plus what scoring needs, kept on their own
+    schedule and retention (independent of the trainer's checkpoint pruning)."""
+
+    enabled: bool = False
+    """Keep trajectory checkpoints (needs ``tda.enabled``)."""
+    every: int = 100
+    """The schedule's spacing in optimizer steps (see ``schedule``)."""
+    schedule: TrajectorySchedule = TrajectorySchedule.EVERY
+    """every | log | lr."""
+    retention: TrajectoryRetention = TrajectoryRetention.ALL
+    """all | last | thinned."""
+    keep: int = 0
+    """How many checkpoints ``last``/``thinned`` keep (>= 2)."""
+    dtype: StoreDType = StoreDType.FLOAT32
+    """Dtype of the saved weights (float32 | float16 | bfloat16)."""
+    path: str | None = None
+    """Directory; in a training run it defaults to ``<save_folder>/tda/trajectory``."""
+
+    def validate(self, path: str = "trajectory") -> None:
+        _check_types(self, path)
+        _check(self.every >= 1, f"{path}.every", f"must be >= 1, got {self.every}")
+        if self.retention != TrajectoryRetention.ALL:
+            _check(self.keep >= 2, f"{path}.keep",
+                   f"retention {self.retention.value!r} needs keep >= 2 checkpoints, got {self.keep}")
+
+
 @dataclass(kw_only=True)
 class TDAConfig:
     """The whole ``tda:`` section. ``enabled: true`` is the one flag that switches TDA on."""
@@ -177,12 +237,14 @@ class TDAConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
 
     def validate(self, path: str = "tda") -> None:
         _check_types(self, path)
         self.capture.validate(f"{path}.capture")
         self.store.validate(f"{path}.store")
         self.batch.validate(f"{path}.batch")
+        self.trajectory.validate(f"{path}.trajectory")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, path: str = "tda") -> "TDAConfig":

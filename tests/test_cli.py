@@ -6,6 +6,8 @@ import json
 import runpy
 from pathlib import Path
 
+import numpy as np
+
 from olmo_tda.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +42,18 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     assert main(["inspect", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["num_examples"] == 512 and summary["num_rows"] == 1024
+    traj = summary["trajectory"]
+    assert traj["steps"] == [0, 16, 32, 48, 64] and traj["bytes"] == sum(traj["bytes_each"]) > 0
+
+    # TracIn-CP over those checkpoints, and in-run TracIn, from the CLI: the passage still comes first
+    for method in ("tracin", "tracin-inrun"):
+        assert main(["attribute", str(out), "--query-file", str(qfile), "--method", method, "--top-k", "3",
+                     "--json", str(tmp_path / f"{method}.json")]) == 0
+        results = json.loads((tmp_path / f"{method}.json").read_text())[0]["results"]
+        assert len(results) == 3 and all(r["step"] == -1 and np.isfinite(r["score"]) for r in results)
+        if method == "tracin":   # in-run TracIn pairs each step with a checkpoint up to 8 steps away here
+            assert results[0]["index"] == passage["index"], results[0]
+    assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
 
 
 def test_attribute_needs_a_query(tmp_path, capsys):

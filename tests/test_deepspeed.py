@@ -32,6 +32,7 @@ EXTRA = ["stage=3,gas=2,dtype=fp32,init=1",                    # zero.Init parti
          "stage=2,gas=2,dtype=fp32,reduction=example_mean",
          "stage=2,gas=2,dtype=fp32,backward=direct",           # loss.backward() instead of engine.backward
          "stage=3,gas=2,dtype=bf16,backward=scale",            # engine.scale(loss).backward()
+         "stage=3,gas=2,dtype=bf16,init=1,traj=1,steps=3",     # trajectory checkpoints gathered from ZeRO-3
          "stage=2,gas=2,dtype=fp32,nan_step=2,steps=3",         # overflow: the engine skips step 2
          "stage=1,gas=1,dtype=fp32,nan_step=1,steps=2"]
 BF16_TOL = 3e-2
@@ -111,7 +112,7 @@ def check_against_torch_func(root: Path, case: dict, tol: float, world: int = 2)
     return worst
 
 
-@pytest.mark.parametrize("text", MATRIX + EXTRA[:6], ids=lambda t: worker.case_name(worker.parse_case(t)))
+@pytest.mark.parametrize("text", MATRIX + EXTRA[:7], ids=lambda t: worker.case_name(worker.parse_case(t)))
 def test_deepspeed_zero_capture_equals_torch_func_per_example_gradients(runs, text):
     case = worker.parse_case(text)
     root = runs / worker.case_name(case)
@@ -131,7 +132,7 @@ def test_deepspeed_bf16_error_is_the_engines_own_rounding(runs):
     assert 1e-3 < worst_bf16 < BF16_TOL / 2
 
 
-@pytest.mark.parametrize("text", EXTRA[6:], ids=["zero2-gas2", "zero1-gas1-first-step"])
+@pytest.mark.parametrize("text", EXTRA[7:], ids=["zero2-gas2", "zero1-gas1-first-step"])
 def test_deepspeed_zero_overflow_step_is_dropped(runs, text):
     case = worker.parse_case(text)
     root = runs / worker.case_name(case)
@@ -241,3 +242,21 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
     bad = subprocess.run([*cmd[:1], "-m", "olmo_tda.integrations.deepspeed_pretrain", cmd[-1], "--stepz=3"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "unknown top-level keys ['stepz']" in bad.stderr
+
+
+def test_deepspeed_zero3_trajectory_checkpoints_hold_the_gathered_weights(runs):
+    """tda.trajectory under ZeRO-3 (zero.Init, bf16): checkpoint s holds θ_s, the full weights the
+    worker gathered itself before step s+1; lr and tokens as the step used them."""
+    from olmo_tda.training.trajectory import Trajectory
+
+    case = worker.parse_case("stage=3,gas=2,dtype=bf16,init=1,traj=1,steps=3")
+    root = runs / worker.case_name(case)
+    kept = Trajectory.list(root / "trajectory")
+    assert [c.step for c in kept] == [0, 1, 2, 3]
+    for c in kept[:-1]:
+        before_next = torch.load(root / f"weights_step{c.step + 1}.pt", weights_only=True)
+        weights = c.load()
+        assert set(weights) >= set(before_next)
+        assert all(torch.equal(weights[k], before_next[k]) for k in before_next), c.step
+    assert [c.tokens_seen for c in kept] == [0, 96, 192, 288]      # 2 ranks x GAS 2 x 2 examples x 12 tokens
+    assert np.allclose([c.lr for c in kept[1:]], [worker.lr_at(s) for s in (1, 2, 3)])

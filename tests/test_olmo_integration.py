@@ -85,7 +85,8 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     # CPU-only build, so the FSDP run saves none; its oracle is the DDP run's step-3 checkpoint
     # (same seed, same data order: the two runs follow the same trajectory up to float rounding).
     save = "--save_interval_unsharded=3" if strategy == "ddp" else "--save_interval_unsharded=null"
-    _run(_overrides(data_dir, run, 6, f"--distributed_strategy={strategy}", save), nproc=2)
+    _run(_overrides(data_dir, run, 6, f"--distributed_strategy={strategy}", save, "--tda.trajectory.enabled=true",
+                    "--tda.trajectory.every=3"), nproc=2)
     run_dir = data_dir / run
     store = GradientStore.open(run_dir / "tda" / "store")
     block = store.read_all()
@@ -99,6 +100,17 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     # step 4 used the weights saved at step 3: stored unprojected gradients == exact ones
     if strategy == "fsdp" and not (data_dir / "run_ddp" / "step3-unsharded").exists():
         _run(_overrides(data_dir, "run_ddp", 6, "--distributed_strategy=ddp", "--save_interval_unsharded=3"), nproc=2)
+
+    # trajectory checkpoints hold the full weights (FSDP: gathered on rank 0), as OLMo's own step-3 checkpoint
+    from safetensors.torch import load_file
+
+    from olmo_tda.training.trajectory import Trajectory
+
+    assert [c.step for c in Trajectory.list(run_dir / "tda" / "trajectory")] == [0, 3, 6]
+    olmo_step3 = torch.load(data_dir / "run_ddp" / "step3-unsharded" / "model.pt", weights_only=True)
+    kept = load_file(str(run_dir / "tda" / "trajectory" / "step00000003" / "model.safetensors"))
+    assert set(kept) == set(olmo_step3)
+    assert max(rel_err(kept[k], olmo_step3[k]) for k in kept) < 1e-5
     data = np.memmap(data_dir / "data" / "train.npy", dtype=np.uint16, mode="r")
     rows = np.flatnonzero(block.steps == 4)
     ids = block.ids[rows]

@@ -88,7 +88,8 @@ def run_demo(out_dir: str | Path, cfg: DemoConfig | None = None, *, progress: bo
     train_cfg, tda_cfg = load_configs(demo_config_path(), [
         f"--data.paths=[{data}]", f"--save_folder={out / 'run'}", f"--max_duration={steps}", f"--stop_at={steps}",
         f"--save_interval_unsharded={steps}", f"--global_train_batch_size={cfg.batch_size}",
-        f"--tda.capture.proj_dim={cfg.proj_dim}", f"--tda.capture.seed={cfg.seed}", "--console_log_interval=1000000"])
+        f"--tda.capture.proj_dim={cfg.proj_dim}", f"--tda.capture.seed={cfg.seed}", "--console_log_interval=1000000",
+        f"--tda.trajectory.every={max(1, steps // 4)}"])      # 5 trajectory checkpoints for TracIn
     bar = tqdm(total=steps, desc="demo: OLMo pretraining with capture", unit="step", disable=not progress)
 
     def on_step(step: int, metrics: dict) -> None:

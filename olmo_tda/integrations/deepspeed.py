@@ -132,6 +132,14 @@ class DeepSpeedTDA:
                                                           "zero_stage": int(engine.zero_optimization_stage()),
                                                           "gradient_accumulation_steps": self._gas()}}
         self.store = GradientStore.create(Path(config.store.path), meta, config.store, rank=_rank())
+        self.trajectory = None
+        self._tokens_seen = 0
+        if config.trajectory.enabled:
+            from ..training.trajectory import Trajectory
+
+            self.trajectory = Trajectory(config.trajectory,
+                                         config.trajectory.path or Path(config.store.path).parent / "trajectory",
+                                         projector_hash=self.capture.projector_hash, rank=_rank())
         try:
             self._handles.append(engine.module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
             for name in _WRAPPED:
@@ -174,6 +182,8 @@ class DeepSpeedTDA:
                 "tda.set_batch(ids, divisor) before the forward, or attach(..., batch_info=fn)")
         ids = batch[cfg.ids_key]
         num = len(ids)
+        tokens = batch.get(cfg.labels_key, batch.get("input_ids"))
+        self._tokens_seen += int(tokens.numel()) * _world_size() if hasattr(tokens, "numel") else 0
         if cfg.reduction is LossReduction.SUM:
             return ids, 1.0
         if cfg.reduction is LossReduction.EXAMPLE_MEAN:
@@ -223,12 +233,18 @@ class DeepSpeedTDA:
         boundary = engine.is_gradient_accumulation_boundary() or not _managed_accumulation(engine)
         if not boundary:
             return type(engine).step(engine, *args, **kwargs)
-        lr = float(engine.get_lr()[0])          # the scheduler moves it inside step(), after the update
+        lrs = [float(x) for x in engine.get_lr()]   # the scheduler moves them inside step(), after the update
+        lr = lrs[0]
         self._close_open()
+        if self.trajectory is not None and engine.global_steps == 0:
+            self.trajectory.maybe_save(0, self._full_weights, lrs=lrs, tokens_seen=0)   # θ_0, before the update
         out = type(engine).step(engine, *args, **kwargs)
         records, self._pending = self._pending, []
         if engine.was_step_applied():
             self._commit(records, step=int(engine.global_steps), lr=lr)
+            if self.trajectory is not None:
+                self.trajectory.maybe_save(int(engine.global_steps), self._full_weights, lrs=lrs,
+                                           tokens_seen=self._tokens_seen)
         else:
             self.steps_dropped += 1
             log.info("tda: step %d was skipped by the engine (overflow); its %d examples are not recorded",
@@ -336,6 +352,15 @@ class DeepSpeedTDA:
 
     # -- engine facts ------------------------------------------------------------------------------
 
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Full weights of every parameter and buffer; ZeRO-3 partitions are gathered (collective)."""
+        import deepspeed
+
+        module = self.engine.module
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=int(self.engine.zero_optimization_stage()) == 3):
+            return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
+
     def _gas(self) -> int:
         return int(self.engine.gradient_accumulation_steps())
 
@@ -364,3 +389,7 @@ def _managed_accumulation(engine: Any) -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -111,6 +111,7 @@ class TDATrainer(Trainer):
         super().__post_init__()
         self.capture: GradientCapture | None = None
         self.store = None
+        self.trajectory = None
         self._record = None
         self._rows_captured = 0
         self._metrics_file = None
@@ -125,6 +126,12 @@ class TDATrainer(Trainer):
         self._row_bytes = itemsize * sum(k_out * k_in for k_out, k_in in self.capture.layer_shapes.values())
         if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
             self._metrics_file = open(store_path.parent / "metrics.jsonl", "a", buffering=1)
+        if self.tda.trajectory.enabled:
+            from ..training.trajectory import Trajectory
+
+            self.trajectory = Trajectory(self.tda.trajectory,
+                                         self.tda.trajectory.path or Path(self.cfg.save_folder) / "tda" / "trajectory",
+                                         projector_hash=self.capture.projector_hash, rank=_rank())
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -141,7 +148,13 @@ class TDATrainer(Trainer):
 
     def train_step(self, batch: dict[str, Any], reduce_global_loss: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
+        if self.trajectory is not None and self.global_step == 1:    # θ_0, before the first update
+            self._keep_trajectory(0)
         metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss)
+        if self.trajectory is not None:
+            if self.global_step == 1:       # θ_0's lr: the one its gradient was used with (warmup's first)
+                self.trajectory.set_lrs(0, [float(g["lr"]) for g in self.optim.param_groups])
+            self._keep_trajectory(self.global_step)
         if self.store is not None and self._record is not None:
             t1 = time.perf_counter()
             lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
@@ -160,6 +173,20 @@ class TDATrainer(Trainer):
         for callback in self.step_callbacks:
             callback(self.global_step, metrics)
         return metrics
+
+    def _keep_trajectory(self, step: int) -> None:
+        self.trajectory.maybe_save(step, self._full_weights, lrs=[float(g["lr"]) for g in self.optim.param_groups],
+                                   tokens_seen=0 if step == 0 else int(self.global_train_tokens_seen))
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict (FSDP: gathered; collective, every rank calls it)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if isinstance(self.dist_model, FSDP):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.dist_model, options=StateDictOptions(full_state_dict=True))
+        return getattr(self.dist_model, "module", self.dist_model).state_dict()
 
     # -- checkpoints -------------------------------------------------------------------------------
 

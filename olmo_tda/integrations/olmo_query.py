@@ -15,10 +15,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
 import torch
 import yaml
 
@@ -33,6 +36,23 @@ from .olmo import TDA_YAML
 __all__ = ["OLMoRun"]
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _activation_grads_only(model: torch.nn.Module) -> Iterator[None]:
+    """Backward without weight gradients: capture builds per-example gradients from activations and
+    output gradients, so only the embeddings keep ``requires_grad`` (cheap, and it makes autograd
+    run through the network). Saves the dW matmuls, ~1/4 of a forward+backward."""
+    saved = {p: p.requires_grad for p in model.parameters()}
+    embeddings = {p for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    try:
+        if embeddings:
+            for p in model.parameters():
+                p.requires_grad_(p in embeddings)
+        yield
+    finally:
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
 
 
 class OLMoRun:
@@ -89,24 +109,118 @@ class OLMoRun:
         capture = GradientCapture(self.model, self.tda.capture)
         try:
             grads: dict[str, list[torch.Tensor]] = {}
-            for text in texts:
-                tokens = torch.tensor([self._encode(text)])
-                if tokens.shape[1] < 2:
-                    raise ValueError(f"query {text!r} is too short: it needs at least 2 tokens")
-                with capture.record([0]) as rec:
-                    logits = self.model(tokens).logits
-                    torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:], reduction="sum").backward()
-                self.model.zero_grad(set_to_none=True)
-                for name, g in rec.dense().items():
-                    grads.setdefault(name, []).append(g)
+            with _activation_grads_only(self.model):
+                for text in texts:
+                    tokens = torch.tensor([self._encode(text)])
+                    if tokens.shape[1] < 2:
+                        raise ValueError(f"query {text!r} is too short: it needs at least 2 tokens")
+                    with capture.record([0]) as rec:
+                        logits = self.model(tokens).logits
+                        torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:], reduction="sum").backward()
+                    self.model.zero_grad(set_to_none=True)
+                    for name, g in rec.dense().items():
+                        grads.setdefault(name, []).append(g)
             return {n: torch.cat(gs) for n, gs in grads.items()}, capture.projector_hash
         finally:
             capture.remove()
 
-    def attribute(self, texts: list[str], *, method: str = "gradcos", top_k: int = 10) -> list[dict[str, Any]]:
-        """``[{"query", "results": [{"index", "step", "score", "text"}, ...]}, ...]`` best first."""
-        queries, projector_hash = self.query_gradients(texts)
-        result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash)
+    # -- trajectory (TracIn) -------------------------------------------------------------------
+
+    @property
+    def trajectory_path(self) -> Path:
+        return Path(self.tda.trajectory.path or self.dir / "tda" / "trajectory")
+
+    def checkpoints(self) -> list:
+        """Kept trajectory checkpoints, oldest first (:class:`TrajectoryCheckpoint`)."""
+        from ..training.trajectory import Trajectory
+
+        return Trajectory.list(self.trajectory_path)
+
+    def load_weights(self, ckpt: Any) -> None:
+        """Put a trajectory checkpoint's weights into the model (queries then run at θ_ckpt)."""
+        if ckpt.projector_hash is not None and ckpt.projector_hash != self.store.meta.get("projector_hash"):
+            raise ValueError(f"trajectory checkpoint {ckpt.path} was kept with projectors {ckpt.projector_hash}, "
+                             f"the store has {self.store.meta.get('projector_hash')}")
+        self.model.load_state_dict(ckpt.load())
+        self.model.eval()
+
+    def train_gradients(self, ids: np.ndarray, *, batch_size: int = 64, progress: bool = False
+                        ) -> Iterator[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+        """Projected gradients of training instances ``ids`` (each instance's summed next-token CE,
+        as training computed it) at the model's current weights, ``batch_size`` at a time."""
+        from tqdm.auto import tqdm
+
+        if self._dataset is None:
+            from olmo.data import build_memmap_dataset
+            self._dataset = build_memmap_dataset(self.cfg, self.cfg.data)
+        capture = GradientCapture(self.model, self.tda.capture)
+        try:
+            with _activation_grads_only(self.model):
+                for start in tqdm(range(0, len(ids), batch_size), disable=not progress, unit="batch", leave=False):
+                    chunk = np.asarray(ids[start:start + batch_size], dtype=np.int64)
+                    tokens = torch.stack([torch.as_tensor(self._dataset[int(i)]["input_ids"], dtype=torch.long)
+                                          for i in chunk])
+                    with capture.record(chunk) as rec:
+                        logits = self.model(tokens).logits
+                        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                          tokens[:, 1:].flatten(), reduction="sum").backward()
+                    self.model.zero_grad(set_to_none=True)
+                    yield chunk, rec.dense()
+        finally:
+            capture.remove()
+
+    def num_instances(self) -> int:
+        if self._dataset is None:
+            from olmo.data import build_memmap_dataset
+            self._dataset = build_memmap_dataset(self.cfg, self.cfg.data)
+        return len(self._dataset)
+
+    def tracin(self, texts: list[str], *, inrun: bool = False, ids: np.ndarray | None = None,
+               checkpoints: list | None = None, batch_size: int = 64, progress: bool = False):
+        """TracIn scores ``([Q, N], example ids [N])``: TracIn-CP over the kept checkpoints (training
+        examples ``ids``, default all instances), or in-run TracIn over the store's rows."""
+        from ..methods.tracin import tracin_cp, tracin_inrun
+
+        ckpts = checkpoints if checkpoints is not None else self.checkpoints()
+        if not ckpts:
+            raise ValueError(f"no trajectory checkpoints in {self.trajectory_path}")
+        original = {k: v.clone() for k, v in self.model.state_dict().items()}
+        store_hash = self.store.meta.get("projector_hash")
+
+        def queries_at(ckpt):
+            self.load_weights(ckpt)
+            grads, projector_hash = self.query_gradients(texts)
+            if projector_hash != store_hash:
+                raise ValueError(f"query projectors {projector_hash} differ from the store's {store_hash}")
+            return grads
+
+        try:
+            if inrun:
+                by_step = {c.step: c for c in ckpts}
+                return tracin_inrun(self.store, lambda step: queries_at(by_step[step]), sorted(by_step))
+            ids = np.arange(self.num_instances()) if ids is None else np.asarray(ids, dtype=np.int64)
+            fingerprint = {"texts": texts, "ids": hashlib.sha256(ids.tobytes()).hexdigest(),
+                           "projector_hash": store_hash, "run": str(self.dir.resolve())}
+            return tracin_cp(ckpts, queries_at,
+                             lambda ckpt: self.train_gradients(ids, batch_size=batch_size, progress=progress),
+                             layers=list(self.store.layers), work_dir=self.dir / "tda" / "tracin",
+                             fingerprint=fingerprint,
+                             progress=(lambda msg: log.info("tracin: %s done", msg)))
+        finally:
+            self.model.load_state_dict(original)
+
+    def attribute(self, texts: list[str], *, method: str = "gradcos", top_k: int = 10,
+                  progress: bool = False) -> list[dict[str, Any]]:
+        """``[{"query", "results": [{"index", "step", "score", "text"}, ...]}, ...]`` best first.
+        TracIn methods (``tracin``, ``tracin-inrun``) score examples over all their steps (``step`` -1)."""
+        if method in ("tracin", "tracin-inrun"):
+            from ..methods.tracin import top_examples
+
+            scores, ids = self.tracin(texts, inrun=method == "tracin-inrun", progress=progress)
+            result = top_examples(method, scores, ids, top_k, list(self.store.layers))
+        else:
+            queries, projector_hash = self.query_gradients(texts)
+            result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash)
         out = []
         for text, rows in zip(texts, result.as_dicts()):
             for row in rows:

@@ -1,0 +1,226 @@
+"""Trajectory checkpoints and TracIn on real OLMo runs, against brute force.
+
+Oracles: the saved checkpoints read with safetensors directly, per-example gradients of each
+example's summed next-token CE from ``torch.func.vmap(grad)``, learning rates from the checkpoints'
+own metadata, OLMo's data order from its ``global_indices.npy``, and OLMo's per-device token
+normalization (batch × seq) as the loss scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import rel_err
+from olmo_tda.config import TrajectoryConfig
+from olmo_tda.demo.corpus import ByteTokenizer, build_passages
+from olmo_tda.demo.data import write_memmap
+from olmo_tda.methods.tracin import nearest_checkpoint, tracin_cp
+from olmo_tda.training.trajectory import Trajectory, TrajectoryCheckpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, GBS, D_MODEL = 32, 8, 128
+QUERIES = ["The for statement is used to iterate over the elements", "Return the absolute value of a number"]
+
+
+def _train(tmp: Path, run: str, steps: int, *extra: str) -> Path:
+    args = [f"--data.paths=[{tmp / 'data' / 'train.npy'}]", f"--save_folder={tmp / run}", f"--max_duration={steps}",
+            f"--stop_at={steps}", f"--model.d_model={D_MODEL}", "--model.n_heads=4", f"--model.max_sequence_length={SEQ}",
+            f"--global_train_batch_size={GBS}", "--device_train_microbatch_size=4", "--console_log_interval=1000",
+            f"--save_interval_unsharded={steps}", "--tda.store.dtype=float32", "--tda.trajectory.enabled=true", *extra]
+    cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    assert done.returncode == 0, done.stderr[-5000:]
+    return tmp / run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tracin")
+    write_memmap(build_passages(128, SEQ, seed=5), tmp / "data" / "train.npy", SEQ)
+    return {"exact": _train(tmp, "exact", 50, "--tda.capture.proj_dim=0", "--tda.trajectory.every=10"),
+            "k64": _train(tmp, "k64", 50, "--tda.capture.proj_dim=64", "--tda.trajectory.every=10"),
+            "every_step": _train(tmp, "every_step", 12, "--tda.capture.proj_dim=0", "--tda.trajectory.every=1"),
+            "data": tmp / "data" / "train.npy"}
+
+
+def _model(run_dir: Path):
+    from olmo.config import TrainConfig
+    from olmo.model import OLMo
+
+    cfg = TrainConfig.load(run_dir / "config.yaml")
+    cfg.model.init_device = "cpu"
+    return OLMo(cfg.model)
+
+
+def _checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _exact(model, weights: dict, tokens: torch.Tensor, layers: list[str]) -> dict[str, torch.Tensor]:
+    """``{layer: [B, O, I]}`` exact per-example gradients of summed next-token CE at ``weights``."""
+    from torch.func import functional_call, grad, vmap
+
+    def loss_one(p, toks):
+        logits = functional_call(model, p, (toks[None],)).logits
+        return torch.nn.functional.cross_entropy(logits[0, :-1], toks[1:], reduction="sum")
+
+    g = vmap(grad(loss_one), in_dims=(None, 0))({k: v.double() for k, v in weights.items()}, tokens)
+    return {name: g[f"{name}.weight"] for name in layers}
+
+
+def _query_tokens() -> torch.Tensor:
+    tok = ByteTokenizer()
+    return torch.tensor([tok.encode(q)[:SEQ] for q in QUERIES])
+
+
+def _dot(a: dict, b: dict, layers: list[str]) -> torch.Tensor:
+    return sum(a[n].reshape(len(a[n]), -1).double() @ b[n].reshape(len(b[n]), -1).double().T for n in layers)
+
+
+def test_trajectory_checkpoints_follow_the_schedule_and_hold_what_tracin_needs(runs):
+    ckpts = Trajectory.list(runs["exact"] / "tda" / "trajectory")
+    assert [c.step for c in ckpts] == [0, 10, 20, 30, 40, 50]
+    store_hash = json.loads((runs["exact"] / "tda" / "store" / "store.json").read_text())["projector_hash"]
+    assert all(c.projector_hash == store_hash and c.dtype == "float32" for c in ckpts)
+    assert [c.tokens_seen for c in ckpts] == [s * GBS * SEQ for s in (0, 10, 20, 30, 40, 50)]
+    assert all(c.bytes == (c.path / "model.safetensors").stat().st_size > 0 for c in ckpts)
+    # the weights after step 50 are the ones OLMo saved in its own checkpoint at step 50
+    olmo = torch.load(runs["exact"] / "step50-unsharded" / "model.pt", weights_only=True)
+    mine = _checkpoint_weights(ckpts[-1].path)
+    assert set(mine) == set(olmo) and all(torch.equal(mine[k], olmo[k]) for k in olmo)
+    # the lr of step s as the store recorded it
+    from olmo_tda.store import GradientStore
+
+    block = GradientStore.open(runs["exact"] / "tda" / "store").read_all(layers=[])
+    for c in ckpts[1:]:
+        assert np.allclose(block.lr[block.steps == c.step], c.lr, rtol=1e-12)
+
+
+def test_tracin_cp_equals_brute_force_from_the_saved_checkpoints(runs):
+    from olmo_tda.integrations.olmo_query import OLMoRun
+
+    run = OLMoRun(runs["exact"])
+    ids = np.arange(0, 128, 3)
+    scores, got_ids = run.tracin(QUERIES, ids=ids)
+    assert np.array_equal(got_ids, ids)
+    model, layers = _model(runs["exact"]), list(run.store.layers)
+    data = torch.from_numpy(np.memmap(runs["data"], dtype=np.uint16, mode="r").reshape(-1, SEQ)[ids].astype(np.int64))
+    want = 0
+    for ckpt in Trajectory.list(runs["exact"] / "tda" / "trajectory"):
+        meta = json.loads((ckpt.path / "meta.json").read_text())
+        weights = _checkpoint_weights(ckpt.path)
+        want = want + meta["lrs"][0] * _dot(_exact(model, weights, _query_tokens(), layers),
+                                            _exact(model, weights, data, layers), layers)
+    assert rel_err(scores, want) < 1e-5
+
+
+def test_inrun_tracin_with_a_checkpoint_every_step_equals_first_order_tracin_ideal(runs):
+    """Σ over the steps s that used z of (η_s / loss_scale_s) ⟨∇L_q(θ_{s-1}), ∇ℓ_z(θ_{s-1})⟩ over the
+    captured layers, with θ_{s-1} the checkpoint before step s and z's steps from OLMo's data order."""
+    from olmo_tda.integrations.olmo_query import OLMoRun
+
+    run_dir = runs["every_step"]
+    run = OLMoRun(run_dir)
+    scores, ids = run.tracin(QUERIES, inrun=True)
+    model, layers = _model(run_dir), list(run.store.layers)
+    order = np.memmap(run_dir / "train_data" / "global_indices.npy", dtype=np.uint32, mode="r")
+    data = np.memmap(runs["data"], dtype=np.uint16, mode="r").reshape(-1, SEQ)
+    want = torch.zeros(len(QUERIES), 128, dtype=torch.float64)
+    for step in range(1, 13):
+        before = run_dir / "tda" / "trajectory" / f"step{step - 1:08d}"
+        lr = json.loads((run_dir / "tda" / "trajectory" / f"step{step:08d}" / "meta.json").read_text())["lrs"][0]
+        used = np.asarray(order[(step - 1) * GBS: step * GBS], dtype=np.int64)
+        weights = _checkpoint_weights(before)
+        s = _dot(_exact(model, weights, _query_tokens(), layers),
+                 _exact(model, weights, torch.from_numpy(data[used].astype(np.int64)), layers), layers)
+        want[:, used] += lr / (GBS * SEQ) * s
+    assert np.array_equal(ids, np.unique(np.asarray(order[: 12 * GBS])))
+    assert rel_err(scores, want[:, ids]) < 1e-5
+
+
+def test_projected_tracin_ranks_like_exact_and_five_checkpoints_like_all(runs):
+    from scipy.stats import spearmanr
+
+    from olmo_tda.integrations.olmo_query import OLMoRun
+
+    ids = np.arange(128)
+    exact_run, k64_run = OLMoRun(runs["exact"]), OLMoRun(runs["k64"])
+    exact, _ = exact_run.tracin(QUERIES, ids=ids)
+    projected, _ = k64_run.tracin(QUERIES, ids=ids)
+    rho = [spearmanr(exact[q], projected[q])[0] for q in range(len(QUERIES))]
+    ckpts = exact_run.checkpoints()
+    five, _ = exact_run.tracin(QUERIES, ids=ids, checkpoints=ckpts[1:])
+    rho5 = [spearmanr(exact[q], five[q])[0] for q in range(len(QUERIES))]
+    top10 = [len(set(np.argsort(-exact[q].numpy())[:10]) & set(np.argsort(-five[q].numpy())[:10]))
+             for q in range(len(QUERIES))]
+    print(f"TracIn-CP k=64 vs exact: Spearman {np.round(rho, 3).tolist()}; "
+          f"5 checkpoints (10..50) vs all 6: Spearman {np.round(rho5, 3).tolist()}, top-10 overlap {top10}")
+    assert min(rho) >= 0.9
+    assert min(rho5) > 0.5
+
+
+def test_interrupted_tracin_cp_resumes_to_the_same_scores(tmp_path):
+    """Per-checkpoint scores are kept in the work dir: a pass that dies after two checkpoints,
+    rerun, computes only the rest and returns exactly an uninterrupted pass's scores."""
+    gen = torch.Generator().manual_seed(0)
+    ckpts = [TrajectoryCheckpoint(path=tmp_path, step=s, tokens_seen=0, lrs=[0.1 / (s + 1)], data_order_version=0,
+                                  projector_hash="h", dtype="float32", bytes=0) for s in range(4)]
+    queries = {s: {"a": torch.randn(2, 3, 4, generator=gen)} for s in range(4)}
+    train = {s: {"a": torch.randn(10, 3, 4, generator=gen)} for s in range(4)}
+    calls = []
+
+    def train_at(ckpt, fail_at=None):
+        calls.append(ckpt.step)
+        if ckpt.step == fail_at:
+            raise KeyboardInterrupt
+        for start in (0, 5):
+            yield np.arange(start, start + 5), {"a": train[ckpt.step]["a"][start:start + 5]}
+
+    full, ids = tracin_cp(ckpts, lambda c: queries[c.step], train_at, layers=["a"])
+    with pytest.raises(KeyboardInterrupt):
+        tracin_cp(ckpts, lambda c: queries[c.step], lambda c: train_at(c, fail_at=2), layers=["a"],
+                  work_dir=tmp_path / "work", fingerprint={"q": 1})
+    calls.clear()
+    resumed, ids2 = tracin_cp(ckpts, lambda c: queries[c.step], train_at, layers=["a"],
+                              work_dir=tmp_path / "work", fingerprint={"q": 1})
+    assert calls == [2, 3]                      # checkpoints 0 and 1 were not recomputed
+    assert torch.equal(resumed, full) and np.array_equal(ids, ids2)
+    brute = sum(c.lr * (queries[c.step]["a"].reshape(2, -1).double() @ train[c.step]["a"].reshape(10, -1).double().T)
+                for c in ckpts)
+    assert rel_err(full, brute) < 1e-12
+
+
+def test_nearest_checkpoint_pairs_each_step_with_the_weights_it_used():
+    # a gradient of step s was taken at θ_{s-1}
+    assert nearest_checkpoint(np.array([1, 5, 10, 11, 16, 17, 40]), [0, 10, 20]).tolist() == [0, 0, 1, 1, 1, 2, 2]
+    assert nearest_checkpoint(np.array([6, 7]), [0, 10]).tolist() == [0, 1]   # θ_5 ties: the earlier one
+
+
+def test_trajectory_schedule_and_retention(tmp_path):
+    w = {"w": torch.ones(2, 2)}
+
+    def kept(cfg, steps, lrs=None):
+        traj = Trajectory(cfg, tmp_path / f"t{len(list(tmp_path.iterdir()))}")
+        for s in steps:
+            traj.maybe_save(s, w, lrs=[(lrs or {}).get(s, 1e-3)], tokens_seen=s)
+        return [c.step for c in Trajectory.list(traj.path)]
+
+    assert kept(TrajectoryConfig(enabled=True, every=10), range(0, 51)) == [0, 10, 20, 30, 40, 50]
+    assert kept(TrajectoryConfig(enabled=True, every=5, schedule="log"), range(0, 51)) == [0, 5, 10, 20, 40]
+    lrs = {s: (1e-3 if s <= 20 else 1e-4) for s in range(71)}   # 10x lower lr: 10x sparser
+    assert kept(TrajectoryConfig(enabled=True, every=5, schedule="lr"), range(0, 71), lrs) == [0, 5, 10, 15, 20, 70]
+    assert kept(TrajectoryConfig(enabled=True, every=10, retention="last", keep=3), range(0, 51)) == [30, 40, 50]
+    assert kept(TrajectoryConfig(enabled=True, every=10, retention="thinned", keep=3), range(0, 51)) == [0, 20, 50]
+    half = kept(TrajectoryConfig(enabled=True, every=10, dtype="bfloat16"), [0])
+    assert half == [0]
