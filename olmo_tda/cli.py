@@ -82,6 +82,16 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(answers, indent=1))
         print(f"\nwrote {args.json}")
+    if args.html:
+        from .report.html import write_attribution_report
+
+        shown = [{**a, "kind": f"query ({args.method})",
+                  "results": [{**r, "step": "all" if r["step"] < 0 else r["step"]} for r in a["results"]]}
+                 for a in answers]
+        write_attribution_report(Path(args.html), title=f"olmo_tda: {args.method} on {run_dir}",
+                                 summary={"run": str(run_dir), "method": args.method, "top_k": args.top_k},
+                                 queries=shown)
+        print(f"wrote {args.html}")
     return 0
 
 
@@ -127,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
     attr = sub.add_parser("attribute", help="which training passages made the model produce these texts?")
     attr.add_argument("run", help="run directory of olmo-tda train (or the demo's output folder)")
+    attr.add_argument("--html", help="also write an HTML report of the answers to this file")
     attr.add_argument("--query", action="append", help="query text (repeatable)")
     attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")
     from .methods import available_methods

@@ -48,7 +48,9 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     # TracIn-CP over those checkpoints, and in-run TracIn, from the CLI: the passage still comes first
     for method in ("tracin", "tracin-inrun"):
         assert main(["attribute", str(out), "--query-file", str(qfile), "--method", method, "--top-k", "3",
-                     "--json", str(tmp_path / f"{method}.json")]) == 0
+                     "--json", str(tmp_path / f"{method}.json"), "--html", str(tmp_path / f"{method}.html")]) == 0
+        page = (tmp_path / f"{method}.html").read_text()
+        assert page.count("<tr><td>") == 3 and "<td>all</td>" in page and method in page
         results = json.loads((tmp_path / f"{method}.json").read_text())[0]["results"]
         assert len(results) == 3 and all(r["step"] == -1 and np.isfinite(r["score"]) for r in results)
         if method == "tracin":   # in-run TracIn pairs each step with a checkpoint up to 8 steps away here

@@ -224,3 +224,33 @@ def test_trajectory_schedule_and_retention(tmp_path):
     assert kept(TrajectoryConfig(enabled=True, every=10, retention="thinned", keep=3), range(0, 51)) == [0, 20, 50]
     half = kept(TrajectoryConfig(enabled=True, every=10, dtype="bfloat16"), [0])
     assert half == [0]
+
+
+def test_an_interrupted_tracin_cp_pass_over_a_run_resumes_to_the_same_scores(runs, monkeypatch):
+    """A real pass over the run's 6 checkpoints dies while recomputing the 4th; the rerun recomputes
+    only checkpoints 4-6 and returns exactly the scores of an uninterrupted pass."""
+    import shutil
+
+    from olmo_tda.integrations.olmo_query import OLMoRun
+
+    run, ids = OLMoRun(runs["exact"]), np.arange(0, 128, 5)
+    cache = runs["exact"] / "tda" / "tracin"
+    shutil.rmtree(cache, ignore_errors=True)
+    original, calls = OLMoRun.train_gradients, []
+
+    def counting(self, ids, fail_at=None, **kw):
+        calls.append(len(calls))
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt("killed mid-pass")
+        return original(self, ids, **kw)
+
+    monkeypatch.setattr(OLMoRun, "train_gradients", lambda self, ids, **kw: counting(self, ids, 4, **kw))
+    with pytest.raises(KeyboardInterrupt):
+        run.tracin(QUERIES, ids=ids)
+    monkeypatch.setattr(OLMoRun, "train_gradients", lambda self, ids, **kw: counting(self, ids, **kw))
+    calls.clear()
+    resumed, _ = run.tracin(QUERIES, ids=ids)
+    assert len(calls) == 3                       # checkpoints 30, 40, 50 only
+    shutil.rmtree(cache)
+    fresh, _ = run.tracin(QUERIES, ids=ids)
+    assert torch.equal(resumed, fresh)
