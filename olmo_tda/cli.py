@@ -65,14 +65,29 @@ def _read_queries(args: argparse.Namespace) -> list[str]:
     return texts
 
 
+def _read_ids(spec: str) -> list[int]:
+    """``"3,5,9"`` or ``@file`` (integers separated by whitespace or commas)."""
+    text = Path(spec[1:]).read_text() if spec.startswith("@") else spec
+    try:
+        ids = [int(tok) for tok in text.replace(",", " ").split()]
+    except ValueError as e:
+        raise ValueError(f"--ids: expected integers (training instance indices), {e}") from None
+    if not ids or min(ids) < 0:
+        raise ValueError("--ids: give at least one non-negative training instance index")
+    return ids
+
+
 def _cmd_attribute(args: argparse.Namespace) -> int:
     from .integrations.olmo_query import OLMoRun
 
     run_dir = Path(args.run)
     if not (run_dir / "config.yaml").exists() and (run_dir / "run" / "config.yaml").exists():
         run_dir = run_dir / "run"                        # the demo's output folder
+    ids = _read_ids(args.ids) if args.ids else None
+    if ids is not None and args.method != "tracin":
+        raise ValueError("--ids chooses the training examples TracIn-CP recomputes; use it with --method tracin")
     answers = OLMoRun(run_dir).attribute(_read_queries(args), method=args.method, top_k=args.top_k,
-                                         progress=sys.stderr.isatty())
+                                         progress=sys.stderr.isatty(), ids=ids)
     for answer in answers:
         print(f"\nquery: {answer['query'][:100]!r}")
         print(f"  {'#':>2} {'index':>8} {'step':>6} {'score':>9}  training passage")
@@ -137,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_cmd_train)
     attr = sub.add_parser("attribute", help="which training passages made the model produce these texts?")
     attr.add_argument("run", help="run directory of olmo-tda train (or the demo's output folder)")
+    attr.add_argument("--ids", help="TracIn-CP: only these training instances (\"3,5,9\" or @file); default all")
     attr.add_argument("--html", help="also write an HTML report of the answers to this file")
     attr.add_argument("--query", action="append", help="query text (repeatable)")
     attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")

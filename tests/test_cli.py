@@ -56,6 +56,17 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
         if method == "tracin":   # in-run TracIn pairs each step with a checkpoint up to 8 steps away here
             assert results[0]["index"] == passage["index"], results[0]
     assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
+    ids_file = tmp_path / "ids.txt"
+    ids_file.write_text(f"{passage['index']}\n7, 9\n")
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "tracin", "--ids", f"@{ids_file}",
+                 "--json", str(tmp_path / "subset.json")]) == 0
+    results = json.loads((tmp_path / "subset.json").read_text())[0]["results"]
+    assert sorted(r["index"] for r in results) == sorted([passage["index"], 7, 9])
+    assert results[0]["index"] == passage["index"]
+    assert main(["attribute", str(out), "--query", "x y", "--method", "tracin", "--ids", "7,x"]) == 2
+    assert "--ids: expected integers" in capsys.readouterr().err
+    assert main(["attribute", str(out), "--query", "x y", "--method", "tracin", "--ids", "100000"]) == 2
+    assert "instance indices in [0, 512)" in capsys.readouterr().err
 
 
 def test_attribute_needs_a_query(tmp_path, capsys):

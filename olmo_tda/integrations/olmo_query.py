@@ -210,14 +210,18 @@ class OLMoRun:
             self.model.load_state_dict(original)
 
     def attribute(self, texts: list[str], *, method: str = "gradcos", top_k: int = 10,
-                  progress: bool = False) -> list[dict[str, Any]]:
+                  progress: bool = False, ids: Any = None) -> list[dict[str, Any]]:
         """``[{"query", "results": [{"index", "step", "score", "text"}, ...]}, ...]`` best first.
         TracIn methods (``tracin``, ``tracin-inrun``) score examples over all their steps (``step`` -1)."""
         if method in ("tracin", "tracin-inrun"):
             from ..methods.tracin import top_examples
 
-            scores, ids = self.tracin(texts, inrun=method == "tracin-inrun", progress=progress)
-            result = top_examples(method, scores, ids, top_k, list(self.store.layers))
+            if ids is not None and method != "tracin":
+                raise ValueError("ids= selects the training examples of TracIn-CP (method='tracin')")
+            if ids is not None and (min(ids) < 0 or max(ids) >= self.num_instances()):
+                raise ValueError(f"ids must be training instance indices in [0, {self.num_instances()})")
+            scores, example_ids = self.tracin(texts, inrun=method == "tracin-inrun", ids=ids, progress=progress)
+            result = top_examples(method, scores, example_ids, top_k, list(self.store.layers))
         else:
             queries, projector_hash = self.query_gradients(texts)
             result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash)
