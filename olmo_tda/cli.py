@@ -86,8 +86,20 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     ids = _read_ids(args.ids) if args.ids else None
     if ids is not None and args.method != "tracin":
         raise ValueError("--ids chooses the training examples TracIn-CP recomputes; use it with --method tracin")
-    answers = OLMoRun(run_dir).attribute(_read_queries(args), method=args.method, top_k=args.top_k,
-                                         progress=sys.stderr.isatty(), ids=ids)
+    options = {k: v for k, v in (("hessian", args.hessian), ("damping", args.damping), ("rank", args.rank))
+               if v is not None}
+    if options and args.method != "influence":
+        raise ValueError(f"--hessian/--damping/--rank apply to --method influence, not {args.method}")
+    run = OLMoRun(run_dir)
+    answers = run.attribute(_read_queries(args), method=args.method, top_k=args.top_k,
+                            progress=sys.stderr.isatty(), ids=ids, **options)
+    if args.method == "influence":
+        info = run.last_info
+        damping = info["damping"]
+        print(f"influence: hessian {info['hessian']}{', rank ' + str(info['rank']) if 'rank' in info else ''}, "
+              f"damping λ per layer {min(damping.values()):.3g}..{max(damping.values()):.3g} over {info['num_rows']} rows")
+        for answer in answers:
+            answer["damping"] = damping
     for answer in answers:
         print(f"\nquery: {answer['query'][:100]!r}")
         print(f"  {'#':>2} {'index':>8} {'step':>6} {'score':>9}  training passage")
@@ -153,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     attr = sub.add_parser("attribute", help="which training passages made the model produce these texts?")
     attr.add_argument("run", help="run directory of olmo-tda train (or the demo's output folder)")
     attr.add_argument("--ids", help="TracIn-CP: only these training instances (\"3,5,9\" or @file); default all")
+    attr.add_argument("--hessian", choices=["raw", "lorif"], help="influence: explicit D×D Fisher or rank-r Woodbury (default lorif)")
+    attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
+    attr.add_argument("--rank", type=int, help="influence lorif: rank r of the Fisher (default 64)")
     attr.add_argument("--html", help="also write an HTML report of the answers to this file")
     attr.add_argument("--query", action="append", help="query text (repeatable)")
     attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")

@@ -56,6 +56,13 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
         if method == "tracin":   # in-run TracIn pairs each step with a checkpoint up to 8 steps away here
             assert results[0]["index"] == passage["index"], results[0]
     assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--rank", "16",
+                 "--json", str(tmp_path / "influence.json")]) == 0
+    assert capsys.readouterr().out.startswith("influence: hessian lorif, rank 16, damping λ per layer")
+    answer = json.loads((tmp_path / "influence.json").read_text())[0]
+    assert answer["results"][0]["index"] == passage["index"] and len(answer["damping"]) == 9
+    assert main(["attribute", str(out), "--query", "x y", "--method", "gradcos", "--damping", "1"]) == 2
+    assert "apply to --method influence" in capsys.readouterr().err
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(f"{passage['index']}\n7, 9\n")
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "tracin", "--ids", f"@{ids_file}",

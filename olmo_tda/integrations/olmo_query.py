@@ -210,7 +210,7 @@ class OLMoRun:
             self.model.load_state_dict(original)
 
     def attribute(self, texts: list[str], *, method: str = "gradcos", top_k: int = 10,
-                  progress: bool = False, ids: Any = None) -> list[dict[str, Any]]:
+                  progress: bool = False, ids: Any = None, **method_options: Any) -> list[dict[str, Any]]:
         """``[{"query", "results": [{"index", "step", "score", "text"}, ...]}, ...]`` best first.
         TracIn methods (``tracin``, ``tracin-inrun``) score examples over all their steps (``step`` -1)."""
         if method in ("tracin", "tracin-inrun"):
@@ -224,7 +224,9 @@ class OLMoRun:
             result = top_examples(method, scores, example_ids, top_k, list(self.store.layers))
         else:
             queries, projector_hash = self.query_gradients(texts)
-            result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash)
+            result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash,
+                               **method_options)
+            self.last_info = result.info
         out = []
         for text, rows in zip(texts, result.as_dicts()):
             for row in rows:

@@ -131,6 +131,8 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
             raise ValueError(f"query gradient of {name} has shape {tuple(queries[name].shape[1:])}, the store "
                              f"holds {want}: were the queries captured with the store's capture config?")
     algo = get_method(method, **method_options) if isinstance(method, str) else method
+    if hasattr(algo, "fit"):            # methods that need the training rows first (influence: the Fisher)
+        algo.fit(store, chosen, block_size=block_size)
     state = algo.prepare({n: queries[n] for n in chosen})
     num_q = next(iter(queries.values())).shape[0]
 
