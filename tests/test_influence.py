@@ -147,3 +147,25 @@ def test_influence_bad_options_are_refused(tmp_path):
     store = _store(tmp_path, {"fc": torch.zeros(4, 2, 2)})
     with pytest.raises(ValueError, match="zero gradients"):
         attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence")
+
+
+@pytest.mark.parametrize("hessian", ["raw", "lorif"])
+def test_fitted_fisher_is_cached_beside_the_store_and_a_damaged_cache_is_recomputed(olmo_grads, hessian, caplog):
+    store = olmo_grads["store"]
+    for f in (store.path / "cache").glob("*"):
+        f.unlink()
+    first = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, return_scores=True)
+    assert "cached" not in first.info and len(list((store.path / "cache").glob("influence-*.safetensors"))) == 1
+    second = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, return_scores=True)
+    assert second.info["cached"] and torch.equal(first.all_scores, second.all_scores)
+    assert second.info["damping"] == first.info["damping"]
+    other = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, damping=3.0)
+    assert "cached" not in other.info                 # other options: another cache entry
+    cache = sorted((store.path / "cache").glob("influence-*.safetensors"))[0]
+    cache.write_bytes(b"not a safetensors file")
+    for f in (store.path / "cache").glob("influence-*.safetensors"):
+        f.write_bytes(b"garbage")
+    third = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, return_scores=True)
+    assert "cached" not in third.info and torch.equal(third.all_scores, first.all_scores)
+    assert "ignoring unreadable cache" in caplog.text
+    assert GradientStore.open(store.path).num_rows == 48      # the store itself is untouched

@@ -125,7 +125,77 @@ class Influence:
         self._fitted: dict[str, Any] | None = None
 
     def fit(self, store: Any, layers: Sequence[str], *, block_size: int = 1024) -> None:
-        """Estimate each layer's Fisher (explicit or low-rank) and its damping from the store."""
+        """Estimate each layer's Fisher (explicit or low-rank) and its damping from the store.
+
+        The result is cached beside the store (``<store>/cache/influence-<key>.safetensors``, keyed by
+        the store's shards and these options), so the next question skips the passes over the store.
+        """
+        cache = self._cache_file(store, layers)
+        if cache is not None and cache.exists() and self._load(cache, layers):
+            return
+        self._fit(store, layers, block_size)
+        if cache is not None:
+            self._save(cache, layers)
+
+    def _cache_file(self, store: Any, layers: Sequence[str]):
+        import hashlib
+        import json
+        from pathlib import Path
+
+        root, shards = getattr(store, "path", None), getattr(store, "shards", None)
+        if root is None or shards is None:
+            return None
+        key = json.dumps({"shards": sorted((s.rank, s.seq, s.num_rows, s.bytes) for s in shards), "layers": list(layers),
+                          "hessian": self.hessian, "damping": self.damping, "ratio": self.damping_ratio,
+                          "rank": self.rank, "oversample": self.oversample, "iterations": self.iterations,
+                          "seed": self.seed, "format": 1}, sort_keys=True)
+        return Path(root) / "cache" / f"influence-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+    def _save(self, path, layers: Sequence[str]) -> None:
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for i, name in enumerate(layers):
+            factor = self._fitted["factors"][name]
+            if self.hessian == "raw":
+                tensors[f"{i}.chol"] = factor.contiguous()
+            else:
+                tensors[f"{i}.vecs"], tensors[f"{i}.evals"] = factor[0].contiguous(), factor[1].contiguous()
+        meta = {"info": json.dumps(self.info), "layers": json.dumps(list(layers))}
+        try:
+            path.parent.mkdir(exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            save_file(tensors, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+        except OSError as e:          # a read-only store: answer without caching
+            log.info("influence: not caching the fitted Fisher in %s (%s)", path.parent, e)
+
+    def _load(self, path, layers: Sequence[str]) -> bool:
+        import json
+
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata()
+                if json.loads(meta["layers"]) != list(layers):
+                    return False
+                factors = {}
+                for i, name in enumerate(layers):
+                    factors[name] = (f.get_tensor(f"{i}.chol") if self.hessian == "raw"
+                                     else (f.get_tensor(f"{i}.vecs"), f.get_tensor(f"{i}.evals")))
+                info = json.loads(meta["info"])
+        except Exception as e:   # noqa: BLE001 - a damaged cache is recomputed, never trusted
+            log.warning("influence: ignoring unreadable cache %s (%s)", path, e)
+            return False
+        self._fitted = {"factors": factors, "damping": info["damping"]}
+        self.info = {**info, "cached": True}
+        return True
+
+    def _fit(self, store: Any, layers: Sequence[str], block_size: int) -> None:
         fisher, trace, num = fisher_stats(store, layers, block_size=block_size, explicit=self.hessian == "raw")
         shapes = store.layer_shapes
         damping = {n: (self.damping if self.damping is not None
