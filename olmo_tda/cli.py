@@ -78,7 +78,7 @@ def _read_ids(spec: str) -> list[int]:
 
 
 def _cmd_attribute(args: argparse.Namespace) -> int:
-    from .integrations.olmo_query import OLMoRun
+    from .integrations.olmo_query import open_run
 
     run_dir = Path(args.run)
     if not (run_dir / "config.yaml").exists() and (run_dir / "run" / "config.yaml").exists():
@@ -90,7 +90,7 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
                if v is not None}
     if options and args.method != "influence":
         raise ValueError(f"--hessian/--damping/--rank apply to --method influence, not {args.method}")
-    run = OLMoRun(run_dir)
+    run = open_run(run_dir)
     answers = run.attribute(_read_queries(args), method=args.method, top_k=args.top_k,
                             progress=sys.stderr.isatty(), ids=ids, **options)
     if args.method == "influence":

@@ -239,6 +239,19 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
     want = {(int(i), s) for s in range(1, 7) for r in range(2) for m in range(2) for i in script.step_ids(s, r, m, **order)}
     assert set(keys) == want
     assert store.layer_shapes["olmo.transformer.ff_out"] == (16, 16)
+    # `olmo-tda attribute` opens the DeepSpeed run: a trained passage asked as a query finds itself
+    import json as _json
+
+    from olmo_tda.cli import main as cli_main
+
+    passages = [_json.loads(line)["text"] for line in (tmp_path / "run" / "data" / "passages.jsonl").read_text().splitlines()]
+    trained = int(block.ids[block.steps == 6][0])
+    for method in ("gradcos", "influence"):
+        out_json = tmp_path / f"{method}.json"
+        assert cli_main(["attribute", str(tmp_path / "run"), "--query", passages[trained], "--method", method,
+                         "--top-k", "2", "--json", str(out_json)]) == 0
+        top = _json.loads(out_json.read_text())[0]["results"][0]
+        assert top["index"] == trained and top["text"] == passages[trained], (method, top)
     bad = subprocess.run([*cmd[:1], "-m", "olmo_tda.integrations.deepspeed_pretrain", cmd[-1], "--stepz=3"],
                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert bad.returncode == 2 and "unknown top-level keys ['stepz']" in bad.stderr

@@ -31,7 +31,12 @@ from torch import nn
 
 from ..config import ConfigError, TDAConfig
 
-__all__ = ["CausalLM", "load_config", "main", "train"]
+__all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
+
+RUN_JSON = "run.json"
+"""Beside the run's outputs: model config, resolved data paths, tokenizer, tda config."""
+WEIGHTS_FILE = "model.safetensors"
+"""The final full weights, for queries."""
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[st
         data = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{path}: {e}") from None
-    known = {"run_dir", "seed", "steps", "save_every", "model", "data", "deepspeed", "tda"}
+    known = {"run_dir", "seed", "steps", "save_every", "model", "data", "deepspeed", "tda", "tokenizer"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown top-level keys {unknown}; expected {sorted(known)}")
@@ -162,7 +167,16 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
     session = attach(engine, tda)
-    data = TokenData(_prepare_data(cfg, run_dir, rank), int(cfg["data"]["seq_len"]))
+    data_paths = _prepare_data(cfg, run_dir, rank)
+    data = TokenData(data_paths, int(cfg["data"]["seq_len"]))
+    if rank == 0:   # what `olmo-tda attribute RUN` needs to open this run (DeepSpeedRun)
+        from ..demo.data import BYTE_TOKENIZER_ID
+
+        tokenizer = cfg.get("tokenizer") or (BYTE_TOKENIZER_ID if not (cfg.get("data") or {}).get("paths") else None)
+        (run_dir / RUN_JSON).write_text(json.dumps({
+            "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
+            "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
+            "weights": WEIGHTS_FILE}, indent=2))
     ckpt = run_dir / "checkpoints"
     if (ckpt / "latest").exists():
         engine.load_checkpoint(str(ckpt))          # tda resumes its store from the checkpoint too
@@ -189,6 +203,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
             engine.save_checkpoint(str(ckpt), tag=f"step{step}")
     if save_every and steps % save_every:
         engine.save_checkpoint(str(ckpt), tag=f"step{steps}")
+    _save_final_weights(engine, run_dir / WEIGHTS_FILE, rank)
     summary = {"steps": steps, "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
                "zero_stage": stage, "world_size": world, "tda": session.metrics() if tda.enabled else None}
     session.close()
@@ -197,6 +212,21 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _save_final_weights(engine: Any, path: Path, rank: int) -> None:
+    """Full fp32 weights as safetensors (gathered from ZeRO-3 partitions; every rank joins, rank 0
+    writes): queries run at these weights, with no pickle and no DeepSpeed needed to read them."""
+    import deepspeed
+    from safetensors.torch import save_file
+
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=engine.zero_optimization_stage() == 3):
+        state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in module.state_dict().items()}
+    if rank == 0:
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(state, str(tmp))
+        tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from ..methods import attribute
 from ..store import GradientStore
 from .olmo import TDA_YAML
 
-__all__ = ["OLMoRun"]
+__all__ = ["OLMoRun", "DeepSpeedRun", "open_run"]
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +233,63 @@ class OLMoRun:
                 row["text"] = self.passage(row["index"])
             out.append({"query": text, "results": rows})
         return out
+
+
+class DeepSpeedRun(OLMoRun):
+    """A run of the DeepSpeed example (``olmo_tda.integrations.deepspeed_pretrain``), opened for the
+    same queries: its ``run.json`` (model, data, tokenizer, tda), final ``model.safetensors`` and
+    store. The model is wrapped like ``CausalLM`` (``olmo.`` prefix) so layer names, hence
+    projectors, match the store's."""
+
+    def __init__(self, run_dir: str | Path):
+        import json
+
+        from olmo.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig
+        from olmo.model import OLMo
+        from safetensors.torch import load_file
+
+        from .deepspeed_pretrain import RUN_JSON
+
+        self.dir = Path(run_dir)
+        meta_file = self.dir / RUN_JSON
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{self.dir} is not a DeepSpeed example run directory (no {RUN_JSON})")
+        meta = json.loads(meta_file.read_text())
+        self.tda = TDAConfig.from_dict(meta["tda"])
+        self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"))
+        model_cfg = ModelConfig(**{**meta["model"], "init_device": "cpu"})
+        if model_cfg.max_sequence_length != meta["seq_len"]:
+            raise ValueError(f"{self.dir}: data seq_len {meta['seq_len']} != model.max_sequence_length "
+                             f"{model_cfg.max_sequence_length}; passages cannot be decoded by index")
+        if not meta.get("tokenizer"):
+            raise ValueError(f"{self.dir}: the run has no tokenizer (set `tokenizer:` in its YAML) to encode queries")
+        self.cfg = TrainConfig(model=model_cfg, data=DataConfig(paths=meta["data_paths"], memmap_dtype="uint16"),
+                               tokenizer=TokenizerConfig(identifier=meta["tokenizer"]))
+        weights = self.dir / meta["weights"]
+        if not weights.is_file():
+            raise FileNotFoundError(f"{weights}: the run has not finished (no final weights to query with)")
+        self.model = _Prefixed(OLMo(model_cfg))
+        self.model.load_state_dict(load_file(str(weights)))
+        self.model.eval()
+        self.checkpoint = weights
+        self.tokenizer = self._tokenizer()
+        self._dataset = None
+
+
+class _Prefixed(torch.nn.Module):
+    """``olmo.``-prefixed OLMo, named like the DeepSpeed example's ``CausalLM`` but taking token ids."""
+
+    def __init__(self, olmo: torch.nn.Module):
+        super().__init__()
+        self.olmo = olmo
+
+    def forward(self, input_ids: torch.Tensor):
+        return self.olmo(input_ids)
+
+
+def open_run(run_dir: str | Path) -> OLMoRun:
+    """An OLMo run (``olmo-tda train``) or a DeepSpeed example run, whichever ``run_dir`` holds."""
+    from .deepspeed_pretrain import RUN_JSON
+
+    run_dir = Path(run_dir)
+    return DeepSpeedRun(run_dir) if (run_dir / RUN_JSON).is_file() else OLMoRun(run_dir)
