@@ -1,0 +1,98 @@
+"""Low-rank (LoRIF) factors of per-example gradients, and inner products that never materialize them.
+
+Legend: B examples, T tokens, Ko/Ki projected output/input widths, c the factor rank, Q/N the two
+sides of a cross-gram. A projected per-example gradient is ``Ĝ = Σ_t g_t a_tᵀ = gᵀ a`` with token
+factors ``g [T, Ko]`` and ``a [T, Ki]``.
+
+- :func:`lowrank_factors`: ``Ĝ ≈ A Bᵀ`` with ``A [Ko, c]``, ``B [Ki, c]``. Exact when ``T ≤ c`` (the
+  token factors themselves, zero-padded). Otherwise the best rank-c approximation (truncated SVD)
+  computed from thin QRs of the token factors and an SVD of a core of at most T×T: the Ko×Ki
+  gradient is never formed.
+- Inner products between representations: dense·dense, dense·factor ``sum(A ∘ (Q B))``,
+  factor·factor ``sum((A₁ᵀA₂) ∘ (B₁ᵀB₂))`` and ghost (raw token factors)
+  ``Σ_{t,s} (a_t·a'_s)(g_t·g'_s)``; :func:`route` picks factorized vs materialized by FLOP count.
+
+Example::
+
+    A, B = lowrank_factors(g_BTKo, a_BTKi, rank=4)      # [B, Ko, 4], [B, Ki, 4]
+    scores = dot_factor_factor(A[:2], B[:2], A, B)      # [2, B] = ⟨Ĝ_q, Ĝ_n⟩
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["lowrank_factors", "dot_dense_dense", "dot_dense_factor", "dot_factor_factor", "dot_ghost",
+           "route", "cross_gram"]
+
+
+def lowrank_factors(grads_BTKo: torch.Tensor, acts_BTKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [B, Ko, c], B [B, Ki, c])`` with ``A Bᵀ`` the best rank-``c`` approximation of ``gᵀ a``."""
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    g, a = grads_BTKo, acts_BTKi
+    num, tokens, k_out = g.shape
+    k_in = a.shape[-1]
+    if tokens <= rank:                       # exact: the token factors, zero-padded to rank columns
+        A = g.new_zeros(num, k_out, rank)
+        B = a.new_zeros(num, k_in, rank)
+        A[:, :, :tokens] = g.transpose(1, 2)
+        B[:, :, :tokens] = a.transpose(1, 2)
+        return A, B
+    # gᵀa = Rgᵀ (Qgᵀ Qa) Ra with g = Qg Rg, a = Qa Ra; then Rgᵀ = U1 S1, Raᵀ = U2 S2 (thin QRs):
+    # gᵀa = U1 (S1 Qgᵀ Qa S2ᵀ) U2ᵀ, an SVD of the small middle factor finishes it.
+    qg, rg = torch.linalg.qr(g.double())                 # [B, T, p], [B, p, Ko]
+    qa, ra = torch.linalg.qr(a.double())                 # [B, T, q], [B, q, Ki]
+    u1, s1 = torch.linalg.qr(rg.transpose(1, 2))         # [B, Ko, p'], [B, p', p]
+    u2, s2 = torch.linalg.qr(ra.transpose(1, 2))         # [B, Ki, q'], [B, q', q]
+    core = s1 @ (qg.transpose(1, 2) @ qa) @ s2.transpose(1, 2)
+    uz, sz, vz = torch.linalg.svd(core, full_matrices=False)
+    c = min(rank, sz.shape[-1])
+    root = sz[:, :c].sqrt().unsqueeze(1)
+    A = (u1 @ uz[:, :, :c]) * root
+    B = (u2 @ vz.transpose(1, 2)[:, :, :c]) * root
+    if c < rank:
+        A = torch.cat([A, A.new_zeros(num, k_out, rank - c)], dim=2)
+        B = torch.cat([B, B.new_zeros(num, k_in, rank - c)], dim=2)
+    return A.to(g.dtype), B.to(a.dtype)
+
+
+def dot_dense_dense(q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]`` of dense ``[Q, Ko, Ki]`` · dense ``[N, Ko, Ki]``."""
+    return q.reshape(len(q), -1) @ g.reshape(len(g), -1).T
+
+
+def dot_dense_factor(q: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]`` of dense ``[Q, Ko, Ki]`` · factors ``A [N, Ko, c]``, ``B [N, Ki, c]``: ``sum(A ∘ (q B))``."""
+    qb = torch.einsum("qoi,nic->qnoc", q, B)
+    return torch.einsum("qnoc,noc->qn", qb, A)
+
+
+def dot_factor_factor(A1: torch.Tensor, B1: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]`` of factors · factors: ``sum((A₁ᵀ A₂) ∘ (B₁ᵀ B₂))``."""
+    return (torch.einsum("qoc,nod->qncd", A1, A2) * torch.einsum("qic,nid->qncd", B1, B2)).sum(dim=(2, 3))
+
+
+def dot_ghost(g1: torch.Tensor, a1: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]`` from raw token factors (``g [., T, Ko]``, ``a [., T, Ki]``): ``Σ_{t,s} (a·a')(g·g')``."""
+    return (torch.einsum("qto,nso->qnts", g1, g2) * torch.einsum("qti,nsi->qnts", a1, a2)).sum(dim=(2, 3))
+
+
+def route(num_q: int, num_n: int, tokens: int, k_in: int, k_out: int) -> str:
+    """``"factorized"`` or ``"materialized"`` for a Q×N cross-gram of T-token factors, by FLOP count:
+    factorized ``Q·N·T²·(Ko+Ki)``, materialized ``(Q+N)·T·Ko·Ki + Q·N·Ko·Ki``."""
+    factorized = num_q * num_n * tokens * tokens * (k_out + k_in)
+    materialized = (num_q + num_n) * tokens * k_out * k_in + num_q * num_n * k_out * k_in
+    return "factorized" if factorized < materialized else "materialized"
+
+
+def cross_gram(g1: torch.Tensor, a1: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor,
+               force: str | None = None) -> torch.Tensor:
+    """``[Q, N]`` inner products of two sets of token-factor gradients, by the cheaper route (or
+    ``force="factorized"|"materialized"``). Every route gives the same numbers."""
+    choice = force or route(len(g1), len(g2), max(g1.shape[1], g2.shape[1]), a1.shape[-1], g1.shape[-1])
+    if choice == "factorized":
+        return dot_ghost(g1, a1, g2, a2)
+    if choice != "materialized":
+        raise ValueError(f"route must be 'factorized' or 'materialized', got {choice!r}")
+    return dot_dense_dense(g1.transpose(1, 2) @ a1, g2.transpose(1, 2) @ a2)
