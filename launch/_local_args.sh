@@ -30,3 +30,18 @@ esac
 
 config="$1"
 [[ -f "$config" ]] || die "config file not found: $config"
+
+# Print the exact environment (the names in managed_env) and command, shell-quoted, to stdout: in a
+# dry run that output is a runnable script. Then run the command (exec), unless DRY_RUN=1.
+print_and_run() {
+    printf 'export'
+    for var in "${managed_env[@]}"; do printf ' %q' "$var=${!var}"; done
+    printf '\n%q' "$1"
+    printf ' %q' "${@:2}"
+    printf '\n'
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then
+        printf '%s: DRY_RUN=1: not running\n' "$prog" >&2
+        exit 0
+    fi
+    exec "$@"
+}

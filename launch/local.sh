@@ -45,15 +45,4 @@ else
         -m olmo_tda.cli train "$config" "$@")
 fi
 
-# stdout gets the exact environment and command, shell-quoted: in a dry run it is a runnable script.
-printf 'export'
-for var in "${managed_env[@]}"; do printf ' %q' "$var=${!var}"; done
-printf '\n%q' "${cmd[0]}"
-printf ' %q' "${cmd[@]:1}"
-printf '\n'
-
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    printf '%s: DRY_RUN=1: not running\n' "$prog" >&2
-    exit 0
-fi
-exec "${cmd[@]}"
+print_and_run "${cmd[@]}"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import inspect
 import logging
 import weakref
@@ -214,10 +215,9 @@ class DeepSpeedTDA:
 
     def _backward(self, *args: Any, **kwargs: Any) -> Any:
         orig = type(self.engine).backward
-        bound = inspect.signature(orig).bind(self.engine, *args, **kwargs)
         rec = self._open_rec
         if rec is not None:
-            if not bound.arguments.get("scale_wrt_gas", True):
+            if not _signature(orig).bind(self.engine, *args, **kwargs).arguments.get("scale_wrt_gas", True):
                 rec.loss_scale /= self._gas()
             rec.loss_scale *= self._fp16_loss_scale()
         return orig(self.engine, *args, **kwargs)
@@ -269,7 +269,7 @@ class DeepSpeedTDA:
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         orig = type(self.engine).save_checkpoint
-        bound = inspect.signature(orig).bind(self.engine, *args, **kwargs)
+        bound = _signature(orig).bind(self.engine, *args, **kwargs)
         bound.apply_defaults()
         self.store.flush()                      # every committed step is durable before the checkpoint exists
         bound.arguments["client_state"] = {**(bound.arguments["client_state"] or {}), STATE_KEY: self.state_dict()}
@@ -374,6 +374,10 @@ class DeepSpeedTDA:
             return 1.0
         scale = engine._get_optimizer_loss_scale()   # DeepSpeed keeps the live dynamic scale there
         return float(scale) if scale else 1.0
+
+
+_signature = functools.lru_cache(maxsize=8)(inspect.signature)
+"""The engine methods' signatures, computed once (``backward`` is bound every micro-batch)."""
 
 
 def _close_at_exit(ref: weakref.WeakMethod) -> None:
