@@ -90,6 +90,10 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
                if v is not None}
     if options and args.method != "influence":
         raise ValueError(f"--hessian/--damping/--rank apply to --method influence, not {args.method}")
+    if args.route != "auto":
+        if args.method not in ("graddot", "gradcos", "influence"):
+            raise ValueError(f"--route applies to graddot, gradcos and influence, not {args.method}")
+        options["route"] = args.route
     run = open_run(run_dir)
     answers = run.attribute(_read_queries(args), method=args.method, top_k=args.top_k,
                             progress=sys.stderr.isatty(), ids=ids, **options)
@@ -168,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("--hessian", choices=["raw", "lorif"], help="influence: explicit D×D Fisher or rank-r Woodbury (default lorif)")
     attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
     attr.add_argument("--rank", type=int, help="influence lorif: rank r of the Fisher (default 64)")
+    attr.add_argument("--route", choices=["auto", "factorized", "materialized"], default="auto",
+                      help="inner products with LoRIF factor stores: by FLOP count (auto) or forced")
     attr.add_argument("--html", help="also write an HTML report of the answers to this file")
     attr.add_argument("--query", action="append", help="query text (repeatable)")
     attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")

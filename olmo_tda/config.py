@@ -29,6 +29,7 @@ __all__ = [
     "ConfigError",
     "ProjectionType",
     "StoreDType",
+    "FactorRoute",
     "CaptureConfig",
     "StoreConfig",
     "LossReduction",
@@ -62,6 +63,18 @@ class StoreDType(str, enum.Enum):
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
+
+
+class FactorRoute(str, enum.Enum):
+    """How rank-c (LoRIF) factors of an example with more than c tokens are computed. Every route
+    gives the best rank-c approximation of the same projected gradient."""
+
+    AUTO = "auto"
+    """The cheaper of the two by FLOP count (token count vs projected widths)."""
+    QR = "qr"
+    """Thin QRs of the two token-factor matrices and an SVD of the small core: never forms Ĝ."""
+    DENSE = "dense"
+    """Form the k_out×k_in projected gradient, then its SVD (cheaper for long examples at small k)."""
 
 
 class LossReduction(str, enum.Enum):
@@ -108,6 +121,12 @@ class CaptureConfig:
     """fnmatch patterns removed from the selection (e.g. ``"*ff_out"`` for an untied output head)."""
     include_bias: bool = True
     """Capture a layer's bias gradient as one extra input column (only for layers with a bias)."""
+    rank: int = 0
+    """LoRIF factor rank c: store each example's projected gradient as ``A [k_out, c] Bᵀ [c, k_in]``
+    (exact when the example has <= c tokens, else its best rank-c approximation). 0 = dense. A layer
+    where c·(k_out+k_in) >= k_out·k_in is stored dense: that is both smaller and exact."""
+    factor_route: FactorRoute = FactorRoute.AUTO
+    """How factors of examples longer than c tokens are computed (``auto`` | ``qr`` | ``dense``)."""
 
     def validate(self, path: str = "capture") -> None:
         _check_types(self, path)
@@ -116,6 +135,7 @@ class CaptureConfig:
         _check((dims[0] == 0) == (dims[1] == 0), f"{path}.proj_dim",
                f"either both sides are projected or neither (0 = exact), got {self.proj_dim!r}")
         _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
+        _check(self.rank >= 0, f"{path}.rank", f"must be >= 0 (0 = dense gradients), got {self.rank}")
         _check(len(self.modules) > 0, f"{path}.modules", "needs at least one pattern ('*' = all)")
 
     @property

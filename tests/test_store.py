@@ -187,7 +187,7 @@ def test_store_json_is_self_describing_and_summary(tmp_path):
     summary = GradientStore.open(tmp_path / "s").summary()
     json.dumps(summary)  # plain values only
     assert summary["num_rows"] == 6 and summary["steps"] == {"count": 2, "min": 0, "max": 1}
-    assert summary["layers"] == [{"name": n, "shape": s} for n, s in
+    assert summary["layers"] == [{"name": n, "shape": s, "rank": 0} for n, s in
                                  [(layer["name"], layer["shape"]) for layer in worker.LAYERS]]
     assert summary["stats"]["rows_written"] == 6 and summary["shards"] == 1 and summary["dtype"] == "bfloat16"
 

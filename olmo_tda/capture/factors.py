@@ -22,8 +22,35 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["lowrank_factors", "dot_dense_dense", "dot_dense_factor", "dot_factor_factor", "dot_ghost",
-           "route", "cross_gram"]
+__all__ = ["lowrank_factors", "truncate_dense", "factor_route", "dot_dense_dense", "dot_dense_factor",
+           "dot_factor_factor", "dot_ghost", "route", "cross_gram"]
+
+# Rough FLOP constants of LAPACK's Householder QR and thin SVD on an m×n matrix (p = min(m, n)):
+# QR ≈ 2·m·n·p, SVD with vectors ≈ SVD_FLOPS·m·n·p. Only the ratio of the two routes matters, and
+# benchmarks/routing.py checks the choice against the measured best.
+_SVD_FLOPS = 12
+
+
+def _qr_flops(m: int, n: int) -> int:
+    return 2 * m * n * min(m, n)
+
+
+def _svd_flops(m: int, n: int) -> int:
+    return _SVD_FLOPS * m * n * min(m, n)
+
+
+def factor_route(tokens: int, k_out: int, k_in: int, rank: int) -> str:
+    """How to get rank-``c`` factors of ``Ĝ = gᵀ a`` from ``T`` token factors, by FLOP count:
+    ``"tokens"`` keeps the token factors (exact when T ≤ c, else :func:`lowrank_factors`' QRs of
+    2·T·(Ko+Ki)·min(T, k) plus an SVD of the ≤T×T core) or ``"dense"`` forms Ĝ (2·T·Ko·Ki) and
+    takes its SVD (Ko×Ki). Short examples keep tokens; long ones go dense."""
+    if tokens <= rank:
+        return "tokens"
+    p, q = min(tokens, k_out), min(tokens, k_in)
+    via_tokens = _qr_flops(tokens, k_out) + _qr_flops(tokens, k_in) + _qr_flops(k_out, p) \
+        + _qr_flops(k_in, q) + 2 * tokens * p * q + _svd_flops(p, q)
+    via_dense = 2 * tokens * k_out * k_in + _svd_flops(k_out, k_in)
+    return "tokens" if via_tokens <= via_dense else "dense"
 
 
 def lowrank_factors(grads_BTKo: torch.Tensor, acts_BTKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +82,22 @@ def lowrank_factors(grads_BTKo: torch.Tensor, acts_BTKi: torch.Tensor, rank: int
         A = torch.cat([A, A.new_zeros(num, k_out, rank - c)], dim=2)
         B = torch.cat([B, B.new_zeros(num, k_in, rank - c)], dim=2)
     return A.to(g.dtype), B.to(a.dtype)
+
+
+def truncate_dense(grads_BKoKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [B, Ko, c], B [B, Ki, c])``: the best rank-``c`` approximation of dense gradients (SVD),
+    split as ``U √S`` and ``V √S`` like :func:`lowrank_factors`."""
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    num, k_out, k_in = grads_BKoKi.shape
+    u, s, vh = torch.linalg.svd(grads_BKoKi.double(), full_matrices=False)
+    c = min(rank, s.shape[-1])
+    root = s[:, :c].sqrt().unsqueeze(1)
+    A, B = u[:, :, :c] * root, vh[:, :c].transpose(1, 2) * root
+    if c < rank:
+        A = torch.cat([A, A.new_zeros(num, k_out, rank - c)], dim=2)
+        B = torch.cat([B, B.new_zeros(num, k_in, rank - c)], dim=2)
+    return A.to(grads_BKoKi.dtype), B.to(grads_BKoKi.dtype)
 
 
 def dot_dense_dense(q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

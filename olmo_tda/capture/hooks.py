@@ -6,8 +6,10 @@ last are flattened into T), I/O layer input/output width, Ki/Ko projected widths
 The hot path, per selected Linear and forward call:
   forward hook  : ``acts_BTKi = P_in a``   (fp32, autocast off) and a tensor hook on the output
   tensor hook   : ``grads_BTKo = P_out g`` then ``Ĝ_BKoKi = grads_BTKoᵀ @ acts_BTKi`` added to the record
-Nothing else happens on the step: de-scaling by ``loss_scale``, concatenation over micro-batches and
-finiteness checks happen once per record, lazily, off the hooks.
+                  (with ``capture.rank: c``, a layer whose examples are short by the FLOP rule of
+                  :func:`~olmo_tda.capture.factors.factor_route` keeps the two token factors instead)
+Nothing else happens on the step: de-scaling by ``loss_scale``, concatenation over micro-batches,
+rank-c factorization (LoRIF) and finiteness checks happen once per record, lazily, off the hooks.
 
 Why a tensor hook on the output and not ``register_full_backward_hook``: the latter breaks when the
 Linear's output is modified in place (OLMo's ``clip_qkv`` clamp); a tensor hook registered before
@@ -40,8 +42,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import CaptureConfig, to_plain
-from ..store.record import GradientRecord
+from ..config import CaptureConfig, FactorRoute, to_plain
+from ..store.record import GradientRecord, LowRank, cat_rows
+from .factors import factor_route, lowrank_factors, truncate_dense
 from .projection import Projector, make_projector, specs_hash
 
 __all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name"]
@@ -76,23 +79,30 @@ class Recording:
         self.projector_hash = capture.projector_hash
         """Identifies the projectors: :func:`~olmo_tda.attribute` refuses a store made with others."""
         self._capture = capture
-        self._parts: dict[int, dict[str, torch.Tensor]] = {}   # forward id -> name -> [B, Ko, Ki]
+        # forward id -> name -> dense Ĝ [B, Ko, Ki], or token factors (g [B, T, Ko], a [B, T, Ki])
+        self._parts: dict[int, dict[str, Any]] = {}
         self._dense: dict[str, torch.Tensor] | None = None
+        self._stored: dict[str, torch.Tensor | LowRank] | None = None
+        self._assembled: dict[str, list[Any]] | None = None
         self._active = True
 
-    def _add(self, forward_id: int, name: str, grad_BKoKi: torch.Tensor) -> None:
+    def _add(self, forward_id: int, name: str, grad: Any) -> None:
+        """Add one backward's contribution: dense ``[B, Ko, Ki]`` or token factors ``(g, a)``."""
         part = self._parts.setdefault(forward_id, {})
-        rows = _part_rows(part)
-        if part and grad_BKoKi.shape[0] != rows:
+        rows, new_rows = _part_rows(part), _rows(grad)
+        if part and new_rows != rows:
             other = next(iter(part))
             raise CaptureError(
-                f"layer {name} saw {grad_BKoKi.shape[0]} examples but {other} saw {rows} in the same forward: "
+                f"layer {name} saw {new_rows} examples but {other} saw {rows} in the same forward: "
                 "capture needs every captured Linear's input batch-first ([B, ..., features]); exclude layers "
                 "that flatten or permute the batch (e.g. MoE experts, seq-first [T, B, H] inputs)")
-        if name in part:
-            part[name] += grad_BKoKi      # the layer ran more than once in this forward
+        old = part.get(name)
+        if old is None:
+            part[name] = grad
+        elif isinstance(old, tuple) and isinstance(grad, tuple):   # the layer ran again: more tokens
+            part[name] = (torch.cat([old[0], grad[0]], dim=1), torch.cat([old[1], grad[1]], dim=1))
         else:
-            part[name] = grad_BKoKi
+            part[name] = _as_dense(old) + _as_dense(grad)
 
     @property
     def num_backward_rows(self) -> int:
@@ -108,10 +118,27 @@ class Recording:
             raise CaptureError("Recording.dense() was called inside its `with capture.record(...)` block; "
                                "call it after the block ends")
         if self._dense is None:
-            self._dense = self._assemble()
+            self._dense = {name: _cat([_as_dense(p) for p in parts]) for name, parts in self._assemble().items()}
         return self._dense
 
-    def _assemble(self) -> dict[str, torch.Tensor]:
+    def stored(self) -> dict[str, torch.Tensor | LowRank]:
+        """What the store keeps: :meth:`dense` for dense layers and, for layers captured with
+        ``capture.rank: c``, :class:`~olmo_tda.store.record.LowRank` factors (exact for examples of
+        at most c tokens, else the best rank-c approximation)."""
+        if self._active:
+            raise CaptureError("Recording.stored() was called inside its `with capture.record(...)` block; "
+                               "call it after the block ends")
+        if self._stored is None:
+            ranks = self._capture.layer_ranks
+            self._stored = {name: cat_rows([_factorize(p, ranks[name]) for p in parts]) if ranks[name]
+                            else _cat([_as_dense(p) for p in parts]) for name, parts in self._assemble().items()}
+        return self._stored
+
+    def _assemble(self) -> dict[str, list[Any]]:
+        """Per layer, each forward's part (zeros for a layer that was silent in it), in forward order,
+        with the loop's normalization undone (in place, once)."""
+        if self._assembled is not None:
+            return self._assembled
         shapes = self._capture.layer_shapes
         parts = [self._parts[f] for f in sorted(self._parts)]
         rows = [_part_rows(p) for p in parts]
@@ -122,29 +149,46 @@ class Recording:
                 "in forward order; was a forward run with capture paused or under no_grad?")
         fired = set().union(*parts) if parts else set()
         self._capture._warn_silent_layers(set(shapes) - fired)
-        out = {}
-        for name, (k_out, k_in) in shapes.items():
-            chunks = []
-            for part, n in zip(parts, rows):
-                g = part.get(name)
-                chunks.append(g if g is not None else torch.zeros(n, k_out, k_in, device=self._device(part)))
-            dense = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-            if self.loss_scale != 1.0:
-                dense.mul_(self.loss_scale)   # undo the loop's normalization once, off the hooks
-            out[name] = dense
-        return out
-
-    @staticmethod
-    def _device(part: dict[str, torch.Tensor]) -> torch.device:
-        return next(iter(part.values())).device
+        self._assembled = {name: [part[name] if name in part else torch.zeros(n, k_out, k_in, device=_device(part))
+                                  for part, n in zip(parts, rows)]
+                           for name, (k_out, k_in) in shapes.items()}
+        if self.loss_scale != 1.0:
+            for part in (p for chunks in self._assembled.values() for p in chunks):
+                (part[0] if isinstance(part, tuple) else part).mul_(self.loss_scale)
+        return self._assembled
 
     def to_record(self, step: int, lr: float) -> GradientRecord:
         """The store's unit: a :class:`~olmo_tda.store.record.GradientRecord` of this block."""
-        return GradientRecord(ids=self.ids, step=step, lr=lr, loss_scale=self.loss_scale, grads=self.dense())
+        return GradientRecord(ids=self.ids, step=step, lr=lr, loss_scale=self.loss_scale, grads=self.stored())
 
 
-def _part_rows(part: dict[str, torch.Tensor]) -> int:
-    return next(iter(part.values())).shape[0] if part else 0
+def _cat(chunks: list[torch.Tensor]) -> torch.Tensor:
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def _rows(grad: Any) -> int:
+    return (grad[0] if isinstance(grad, tuple) else grad).shape[0]
+
+
+def _part_rows(part: dict[str, Any]) -> int:
+    return _rows(next(iter(part.values()))) if part else 0
+
+
+def _device(part: dict[str, Any]) -> torch.device:
+    first = next(iter(part.values()))
+    return (first[0] if isinstance(first, tuple) else first).device
+
+
+def _as_dense(grad: Any) -> torch.Tensor:
+    """``[B, Ko, Ki]`` of a part: dense already, or ``gᵀ a`` of its token factors."""
+    return torch.bmm(grad[0].transpose(1, 2), grad[1]) if isinstance(grad, tuple) else grad
+
+
+def _factorize(grad: Any, rank: int) -> LowRank:
+    """Rank-c factors of one forward's part: from token factors (exact when T <= c) or by SVD of Ĝ."""
+    if isinstance(grad, tuple):
+        return LowRank(*lowrank_factors(grad[0], grad[1], rank))
+    return LowRank(*truncate_dense(grad, rank))
 
 
 def _as_ids(ids: Any) -> np.ndarray:
@@ -180,6 +224,7 @@ class GradientCapture:
         self._warned_unrecorded = False
         self._warned_silent: set[str] = set()
         self._projector_hash: str | None = None
+        self._layer_ranks: dict[str, int] | None = None
         self.modules: dict[str, nn.Linear] = self._select(model) if enabled else {}
         self._with_bias = {n: self.config.include_bias and m.bias is not None for n, m in self.modules.items()}
         k = self.config.proj_dims
@@ -264,7 +309,17 @@ class GradientCapture:
         proj = self.projectors[name]
         with torch.autocast(grad.device.type, enabled=False):
             grads_BTKo = proj.project_out(grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float())
-            rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
+            rank = self.layer_ranks[name]
+            if rank and self._keep_tokens(grads_BTKo.shape[1], proj.k_out, proj.k_in, rank):
+                rec._add(forward_id, name, (grads_BTKo, acts_BTKi))
+            else:
+                rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
+
+    def _keep_tokens(self, tokens: int, k_out: int, k_in: int, rank: int) -> bool:
+        route = self.config.factor_route
+        if route is FactorRoute.AUTO:
+            return factor_route(tokens, k_out, k_in, rank) == "tokens"
+        return tokens <= rank or route is FactorRoute.QR
 
     def _on_backward_end(self) -> None:
         self._pending_forwards = 0
@@ -336,6 +391,22 @@ class GradientCapture:
         return len(self._handles)
 
     @property
+    def layer_ranks(self) -> dict[str, int]:
+        """``{name: c}`` of layers stored as rank-c LoRIF factors (0: dense). ``capture.rank`` applies
+        where ``c·(Ko+Ki) < Ko·Ki``; elsewhere the dense gradient is smaller and exact."""
+        if self._layer_ranks is None:
+            c = self.config.rank
+            self._layer_ranks = {n: c if c and c * (ko + ki) < ko * ki else 0
+                                 for n, (ko, ki) in self.layer_shapes.items()}
+        return self._layer_ranks
+
+    @property
+    def floats_per_example(self) -> int:
+        """Numbers stored per example row over all layers (``c·(Ko+Ki)`` for a factored layer)."""
+        return sum(r * (ko + ki) if r else ko * ki
+                   for (ko, ki), r in zip(self.layer_shapes.values(), self.layer_ranks.values()))
+
+    @property
     def layer_shapes(self) -> dict[str, tuple[int, int]]:
         """``{name: (k_out, k_in)}`` of the stored per-example gradient of each layer."""
         return {n: (p.k_out, p.k_in) for n, p in self.projectors.items()}
@@ -356,7 +427,8 @@ class GradientCapture:
         return {
             "capture": to_plain(self.config),
             "layers": [{"name": n, "shape": list(self.layer_shapes[n]), "bias": self._with_bias[n],
-                        "projector": p.spec()} for n, p in self.projectors.items()],
+                        "projector": p.spec(), **({"rank": self.layer_ranks[n]} if self.layer_ranks[n] else {})}
+                       for n, p in self.projectors.items()],
             "projector_hash": self.projector_hash,
         }
 

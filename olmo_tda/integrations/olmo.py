@@ -123,7 +123,7 @@ class TDATrainer(Trainer):
                                                           "data_paths": list(self.cfg.data.paths or [])}}
         self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
         itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
-        self._row_bytes = itemsize * sum(k_out * k_in for k_out, k_in in self.capture.layer_shapes.values())
+        self._row_bytes = itemsize * self.capture.floats_per_example
         if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
             self._metrics_file = open(store_path.parent / "metrics.jsonl", "a", buffering=1)
         if self.tda.trajectory.enabled:

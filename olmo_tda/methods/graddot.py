@@ -1,19 +1,18 @@
 """Gradient similarity: GradDot ``⟨ĝ_q, ĝ_i⟩`` and GradCos ``⟨ĝ_q, ĝ_i⟩ / (‖ĝ_q‖‖ĝ_i‖)``.
 
 Inner products sum over the chosen layers (block-diagonal: each layer's flattened ``Ko·Ki`` block).
+Training rows may be dense or LoRIF factors; :func:`olmo_tda.ops.inner` routes each layer's product
+(``route="auto"`` by FLOP count, or forced ``"factorized"`` / ``"materialized"``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops import ROUTES, inner, sq_norms
 from .base import register_method
 
 __all__ = ["GradDot", "GradCos"]
-
-
-def _flat(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: g.reshape(g.shape[0], -1).to(torch.float32) for n, g in grads.items()}
 
 
 @register_method
@@ -22,12 +21,17 @@ class GradDot:
 
     name = "graddot"
 
-    def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _flat(queries)
+    def __init__(self, route: str = "auto"):
+        if route not in ROUTES:
+            raise ValueError(f"{self.name}: route must be one of {ROUTES}, got {route!r}")
+        self.route = route
+        self.info: dict = {"route": route}
 
-    def score_block(self, state: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> torch.Tensor:
-        flat = _flat(grads)
-        return sum(state[n] @ flat[n].T for n in state)
+    def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: q.to(torch.float32) for n, q in queries.items()}
+
+    def score_block(self, state: dict[str, torch.Tensor], grads: dict) -> torch.Tensor:
+        return sum(inner(state[n], grads[n], self.route) for n in state)
 
 
 @register_method
@@ -38,11 +42,10 @@ class GradCos(GradDot):
     name = "gradcos"
 
     def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        flat = _flat(queries)
-        norm = torch.sqrt(sum((q * q).sum(dim=1) for q in flat.values())).clamp_min(1e-30)
-        return {n: q / norm[:, None] for n, q in flat.items()}
+        queries = super().prepare(queries)
+        norm = torch.sqrt(sum(sq_norms(q) for q in queries.values())).clamp_min(1e-30)
+        return {n: q / norm[:, None, None] for n, q in queries.items()}
 
-    def score_block(self, state: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> torch.Tensor:
-        flat = _flat(grads)
-        norm = torch.sqrt(sum((g * g).sum(dim=1) for g in flat.values())).clamp_min(1e-30)
-        return sum(state[n] @ flat[n].T for n in state) / norm[None, :]
+    def score_block(self, state: dict[str, torch.Tensor], grads: dict) -> torch.Tensor:
+        norm = torch.sqrt(sum(sq_norms(grads[n]) for n in state)).clamp_min(1e-30)
+        return super().score_block(state, grads) / norm[None, :]

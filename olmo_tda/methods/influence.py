@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..ops import ROUTES, flat, inner
 from .base import register_method
 
 __all__ = ["Influence", "fisher_stats", "lowrank_fisher", "woodbury_apply"]
@@ -34,8 +35,9 @@ __all__ = ["Influence", "fisher_stats", "lowrank_fisher", "woodbury_apply"]
 log = logging.getLogger(__name__)
 
 
-def _flat(g: torch.Tensor) -> torch.Tensor:
-    return g.reshape(g.shape[0], -1).double()
+def _flat(g: Any) -> torch.Tensor:
+    """``[N, D]`` float64 rows; LoRIF factors are materialized one streamed block at a time."""
+    return flat(g).double()
 
 
 def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int = 1024, explicit: bool = True
@@ -102,6 +104,10 @@ def woodbury_apply(q: torch.Tensor, vecs: torch.Tensor, evals: torch.Tensor, dam
     return (q - coeff @ vecs.T) / damping
 
 
+def _double(g: Any) -> Any:
+    return g.to(torch.float64)
+
+
 @register_method
 class Influence:
     """Damped Fisher-inverse influence; see the module docstring. ``fit(store, layers)`` runs first.
@@ -110,7 +116,7 @@ class Influence:
     name = "influence"
 
     def __init__(self, *, hessian: str = "lorif", damping: float | None = None, damping_ratio: float = 0.1,
-                 rank: int = 64, oversample: int = 8, iterations: int = 3, seed: int = 0):
+                 rank: int = 64, oversample: int = 8, iterations: int = 3, seed: int = 0, route: str = "auto"):
         if hessian not in ("raw", "lorif"):
             raise ValueError(f"influence: hessian must be 'raw' or 'lorif', got {hessian!r}")
         if damping is not None and not damping > 0:
@@ -119,6 +125,9 @@ class Influence:
             raise ValueError(f"influence: damping_ratio must be > 0, got {damping_ratio!r}")
         if rank < 1:
             raise ValueError(f"influence: rank must be >= 1, got {rank}")
+        if route not in ROUTES:
+            raise ValueError(f"influence: route must be one of {ROUTES}, got {route!r}")
+        self.route = route
         self.hessian, self.damping, self.damping_ratio = hessian, damping, damping_ratio
         self.rank, self.oversample, self.iterations, self.seed = rank, oversample, iterations, seed
         self.info: dict[str, Any] = {}
@@ -229,6 +238,6 @@ class Influence:
     def score_block(self, state: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> torch.Tensor:
         total = None
         for name, pre in state.items():
-            s = pre @ _flat(grads[name]).T
+            s = inner(pre.reshape(len(pre), *grads[name].shape[1:]), _double(grads[name]), self.route)
             total = s if total is None else total + s
         return total

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..ops import inner
 from .base import AttributionResult
 
 __all__ = ["tracin_cp", "tracin_inrun", "top_examples", "nearest_checkpoint"]
@@ -48,9 +49,7 @@ def _flat_dot(queries: Grads, grads: Grads, layers: Sequence[str]) -> torch.Tens
     relative accuracy; Q is small, so the float64 matmul is cheap."""
     out = None
     for name in layers:
-        q = queries[name].reshape(queries[name].shape[0], -1).double()
-        g = grads[name].reshape(grads[name].shape[0], -1).double()
-        s = q @ g.T
+        s = inner(queries[name].double(), grads[name].to(torch.float64))
         out = s if out is None else out + s
     return out
 

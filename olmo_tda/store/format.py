@@ -17,6 +17,8 @@ Inside a shard (N rows, layer ``i`` of ``store.json["layers"]`` with shape ``[k_
     lr           float64 [N]   learning rate of that step
     loss_scale   float64 [N]   divisor the loop applied to the summed token loss (already undone)
     grads/L0000  [N, k_out, k_in]  float32 | float16 | uint16 (raw bfloat16 bits; HDF5 has no bf16)
+                 or [N, k_out + k_in, c] for a layer stored as rank-c LoRIF factors (``"rank": c`` in
+                 ``store.json``): rows of A [k_out, c] above rows of B [k_in, c], ``Ĝ = A Bᵀ``
 
 HDF5 names never contain module names (they may contain ``/`` or ``.``): layer ``i`` is
 ``grads/L{i:04d}`` and its name lives only in ``store.json``.
@@ -47,6 +49,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "ShardInfo",
+    "stored_shape",
     "encode_grads",
     "decode_grads",
     "nonfinite_rows",
@@ -74,6 +77,14 @@ _MANIFEST_RE = re.compile(r"^manifest-r(\d{5})\.json$")
 # numpy dtype of the stored words for each store dtype
 _DISK_DTYPE = {StoreDType.FLOAT32: np.float32, StoreDType.FLOAT16: np.float16,
                StoreDType.BFLOAT16: np.uint16}
+
+
+def stored_shape(layer: dict[str, Any]) -> tuple[int, int]:
+    """The on-disk row shape of a ``store.json`` layer: ``(k_out, k_in)`` dense, or
+    ``(k_out + k_in, c)`` for rank-c factors."""
+    k_out, k_in = layer["shape"]
+    rank = int(layer.get("rank", 0))
+    return (k_out + k_in, rank) if rank else (k_out, k_in)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ __all__ = ["GRADIENT_CONVENTION", "REPRESENTATION", "COMPARED_KEYS", "build_stor
            "check_meta_compatible", "load_store_json"]
 
 GRADIENT_CONVENTION = "sum_token_loss"
-REPRESENTATION = "dense"
+REPRESENTATION = "dense"     # "lorif" when any layer is stored as rank-c factors
 # keys of store.json that must agree before a writer may append (``extra`` is free-form on purpose:
 # e.g. a data fingerprint may legitimately change when selection rewrites the order)
 COMPARED_KEYS = ("format_version", "gradient_convention", "representation", "dtype",
@@ -58,7 +58,8 @@ def build_store_meta(meta: dict[str, Any], dtype: StoreDType) -> dict[str, Any]:
     """The full ``store.json`` from the capture engine's ``meta`` and the store dtype.
 
     ``meta`` needs ``"capture"`` (dict), ``"layers"`` (list of ``{"name", "shape": [k_out, k_in],
-    "projector": {...}}`` in a fixed order: layer ``i`` is ``grads/L{i:04d}``) and
+    "projector": {...}}`` and optionally ``"rank": c`` for LoRIF factors, in a fixed order: layer
+    ``i`` is ``grads/L{i:04d}``) and
     ``"projector_hash"`` (str); ``"extra"`` (dict) is optional.
     """
     if not isinstance(meta, dict):
@@ -79,6 +80,10 @@ def build_store_meta(meta: dict[str, Any], dtype: StoreDType) -> dict[str, Any]:
                 or not all(isinstance(d, int) and d > 0 for d in shape)):
             raise ValueError(f"store meta layers[{i}] ({layer['name']!r}): shape must be "
                              f"[k_out, k_in] positive ints, got {shape!r}")
+        rank = layer.get("rank", 0)
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"store meta layers[{i}] ({layer['name']!r}): rank must be an int >= 0 "
+                             f"(0 = dense), got {rank!r}")
         layers.append({"name": str(layer["name"]), "shape": shape,
                        "projector": layer.get("projector", {}),
                        **{k: v for k, v in layer.items() if k not in ("name", "shape", "projector")}})
@@ -93,7 +98,7 @@ def build_store_meta(meta: dict[str, Any], dtype: StoreDType) -> dict[str, Any]:
         "library_version": _library_version(),
         "gradient_convention": GRADIENT_CONVENTION,
         "dtype": StoreDType(dtype).value,
-        "representation": REPRESENTATION,
+        "representation": "lorif" if any(layer.get("rank", 0) for layer in layers) else REPRESENTATION,
         "capture": _plain(meta["capture"], "capture"),
         "layers": layers,
         "projector_hash": str(meta["projector_hash"]),

@@ -23,7 +23,8 @@ import torch
 from olmo_tda.config import StoreConfig, StoreDType
 
 from .errors import StoreCorruptError
-from .format import ShardInfo, decode_grads, open_h5
+from .format import ShardInfo, decode_grads, open_h5, stored_shape
+from .record import LowRank, cat_rows
 from .manifest import COUNTERS, RankState, scan_store
 from .meta import load_store_json
 
@@ -45,8 +46,9 @@ class GradientBlock:
     """float64 ``[n]``: learning rate of that step."""
     loss_scale: np.ndarray
     """float64 ``[n]``: the loop's loss divisor at that step (already undone in ``grads``)."""
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    """layer name -> float32 ``[n, k_out, k_in]`` (decoded from the store dtype)."""
+    grads: dict[str, "torch.Tensor | LowRank"] = field(default_factory=dict)
+    """layer name -> float32 ``[n, k_out, k_in]`` (decoded from the store dtype), or
+    :class:`~olmo_tda.store.record.LowRank` factors for a layer stored with a rank (see :attr:`GradientStore.layer_ranks`)."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -92,7 +94,7 @@ class GradientStore:
 
     @staticmethod
     def _scan(root: Path, meta: dict[str, Any], repair: bool) -> dict[int, RankState]:
-        shapes = [tuple(layer["shape"]) for layer in meta["layers"]]
+        shapes = [stored_shape(layer) for layer in meta["layers"]]
         return scan_store(root, layer_shapes=shapes, dtype=StoreDType(meta["dtype"]), repair=repair)
 
     def refresh(self) -> None:
@@ -115,6 +117,11 @@ class GradientStore:
     def layer_shapes(self) -> dict[str, tuple[int, int]]:
         """name -> ``(k_out, k_in)``."""
         return {layer["name"]: tuple(layer["shape"]) for layer in self.meta["layers"]}
+
+    @property
+    def layer_ranks(self) -> dict[str, int]:
+        """name -> LoRIF factor rank c (0 = stored dense)."""
+        return {layer["name"]: int(layer.get("rank", 0)) for layer in self.meta["layers"]}
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -154,7 +161,7 @@ class GradientStore:
     def summary(self) -> dict[str, Any]:
         """Everything ``olmo-tda inspect`` shows, as plain JSON-able values."""
         steps = self.steps
-        shapes = self.layer_shapes
+        shapes, ranks = self.layer_shapes, self.layer_ranks
         num_rows = self.num_rows
         return {
             "path": str(self.path),
@@ -167,8 +174,8 @@ class GradientStore:
             "num_examples": self.num_examples,
             "steps": {"count": int(len(steps)), "min": int(steps[0]) if len(steps) else None,
                       "max": int(steps[-1]) if len(steps) else None},
-            "layers": [{"name": n, "shape": list(shapes[n])} for n in self.layers],
-            "floats_per_row": int(sum(o * i for o, i in shapes.values())),
+            "layers": [{"name": n, "shape": list(shapes[n]), "rank": ranks[n]} for n in self.layers],
+            "floats_per_row": int(sum(o * i for o, i in (stored_shape(layer) for layer in self.meta["layers"]))),
             "bytes": self.nbytes,
             "bytes_per_row": round(self.nbytes / num_rows, 1) if num_rows else None,
             "shards": len(self.shards),
@@ -226,7 +233,7 @@ class GradientStore:
                 while pos < len(rows):
                     take = rows[pos:pos + block_size - n_pending]
                     pos += len(take)
-                    grads = {name: decode_grads(_read_rows(f[f"grads/L{i:04d}"], take), self.dtype)
+                    grads = {name: self._wrap(name, decode_grads(_read_rows(f[f"grads/L{i:04d}"], take), self.dtype))
                              for name, i in indices}
                     pending.append(GradientBlock(ids=shard_ids[take], steps=shard_steps[take], lr=lr[take],
                                                  loss_scale=loss_scale[take], grads=grads))
@@ -243,9 +250,16 @@ class GradientStore:
         blocks = list(self.iter_blocks(layers, block_size=max(1, self.num_rows), steps=steps, ids=ids))
         if blocks:
             return blocks[0]
-        empty = {name: torch.zeros((0, *self.layer_shapes[name])) for name, _ in self._layer_indices(layers)}
+        empty = {name: self._wrap(name, torch.zeros((0, *stored_shape(self.meta["layers"][i]))))
+                 for name, i in self._layer_indices(layers)}
         return GradientBlock(ids=np.zeros(0, np.int64), steps=np.zeros(0, np.int64), lr=np.zeros(0),
                              loss_scale=np.zeros(0), grads=empty)
+
+    def _wrap(self, name: str, rows: torch.Tensor) -> "torch.Tensor | LowRank":
+        """Decoded on-disk rows of a layer as what they represent: dense, or LoRIF factors."""
+        if self.layer_ranks[name]:
+            return LowRank.from_packed(rows, self.layer_shapes[name][0])
+        return rows
 
     def _layer_indices(self, layers: Iterable[str] | None) -> list[tuple[str, int]]:
         names = self.layers
@@ -296,4 +310,4 @@ def _concat(pieces: list[GradientBlock], indices: list[tuple[str, int]]) -> Grad
     return GradientBlock(
         ids=np.concatenate([p.ids for p in pieces]), steps=np.concatenate([p.steps for p in pieces]),
         lr=np.concatenate([p.lr for p in pieces]), loss_scale=np.concatenate([p.loss_scale for p in pieces]),
-        grads={name: torch.cat([p.grads[name] for p in pieces]) for name, _ in indices})
+        grads={name: cat_rows([p.grads[name] for p in pieces]) for name, _ in indices})

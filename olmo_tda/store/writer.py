@@ -23,7 +23,7 @@ import threading
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from .format import (
     encode_grads,
     fsync_dir,
     nonfinite_rows,
+    stored_shape,
     open_h5,
     prepare_shard,
     write_json_atomic,
@@ -46,7 +47,10 @@ from .format import (
 from .keys import KeyIndex
 from .manifest import RankLock, RankState, scan_store, write_manifest
 from .meta import build_store_meta, check_meta_compatible, load_store_json
-from .record import GradientRecord
+from .record import GradientRecord, LowRank
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["StoreWriter", "NonFiniteGradientWarning"]
 
@@ -81,6 +85,7 @@ class StoreWriter:
         self.dtype = StoreDType(store_meta["dtype"])
         self.layers = [layer["name"] for layer in store_meta["layers"]]
         self.layer_shapes = {layer["name"]: tuple(layer["shape"]) for layer in store_meta["layers"]}
+        self.layer_ranks = {layer["name"]: int(layer.get("rank", 0)) for layer in store_meta["layers"]}
         self._config = config
         self._lock = lock
         self._state = states.get(rank) or RankState(rank=rank)
@@ -130,7 +135,7 @@ class StoreWriter:
         check_meta_compatible(stored, requested, str(root))
         lock = RankLock.acquire_for_writing(root, rank)
         try:
-            shapes = [tuple(layer["shape"]) for layer in stored["layers"]]
+            shapes = [stored_shape(layer) for layer in stored["layers"]]
             states = scan_store(root, layer_shapes=shapes, dtype=StoreDType(stored["dtype"]),
                                 repair=repair, own_rank=rank)
         except BaseException:
@@ -161,9 +166,16 @@ class StoreWriter:
             raise ValueError(f"gradient store {self.path}: record for step {record.step} has layers "
                              f"missing={missing} extra={extra} relative to the store's layers")
         for name, g in record.grads.items():
+            rank = self.layer_ranks[name]
+            got = f"rank-{g.rank} factors" if isinstance(g, LowRank) else "a dense tensor"
+            if (rank == 0) == isinstance(g, LowRank) or (rank and g.rank != rank):
+                raise ValueError(f"gradient store {self.path}: grads[{name!r}] is {got}, the store holds this "
+                                 f"layer {'as rank-%d factors' % rank if rank else 'dense'}: capture with the "
+                                 "store's capture.rank")
             if tuple(g.shape[1:]) != self.layer_shapes[name] or not g.is_floating_point():
                 raise ValueError(f"gradient store {self.path}: grads[{name!r}] is {tuple(g.shape)} "
-                                 f"{g.dtype}, expected [N, {', '.join(map(str, self.layer_shapes[name]))}] float")
+                                 f"{getattr(g, 'dtype', '')}, expected [N, "
+                                 f"{', '.join(map(str, self.layer_shapes[name]))}] float")
         item = GradientRecord(ids=np.array(record.ids, dtype=np.int64), step=int(record.step),
                               lr=float(record.lr), loss_scale=record.loss_scale,
                               grads={name: g.detach() for name, g in record.grads.items()})
@@ -319,7 +331,7 @@ class StoreWriter:
     def _ingest(self, record: GradientRecord) -> None:
         """Encode one record, drop duplicate and non-finite rows, add the rest to the window."""
         step, ids = record.step, record.ids
-        words = [encode_grads(record.grads[name].to("cpu"), self.dtype) for name in self.layers]
+        words = [encode_grads(_rows(record.grads[name]).to("cpu"), self.dtype) for name in self.layers]
         # duplicates: repeats inside the record, then keys already stored or already in the window
         first = np.zeros(len(ids), dtype=bool)
         first[np.unique(ids, return_index=True)[1]] = True
@@ -437,6 +449,11 @@ class StoreWriter:
             logger.info("gradient store %s: rank %d truncated after step %d: %d rows dropped",
                         self.path, self.rank, step, dropped)
         return dropped
+
+
+def _rows(grads: "torch.Tensor | LowRank") -> "torch.Tensor":
+    """The on-disk row layout of a layer's gradients (LoRIF factors packed as ``[N, Ko + Ki, c]``)."""
+    return grads.packed() if isinstance(grads, LowRank) else grads
 
 
 def _read_rows_up_to(path: Path, step: int, num_layers: int) -> dict[str, Any]:

@@ -1,0 +1,193 @@
+"""LoRIF rank-c factors end to end: capture → store → reader → methods, against dense gradients.
+
+Ground truth is the dense projected gradient of the same capture config with ``rank: 0`` (itself
+checked against torch.func in test_capture.py): factors must reproduce it exactly when an example
+has <= c tokens and be its best rank-c approximation (Eckart–Young, from a float64 SVD) otherwise,
+on every factorization route; every inner-product route must give the same scores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import rel_err
+from olmo_tda import CaptureConfig, GradientCapture, GradientStore, StoreConfig
+from olmo_tda.methods.base import attribute
+from olmo_tda.ops import inner, inner_route, sq_norms
+from olmo_tda.store.record import GradientRecord, LowRank
+
+
+class TokenMLP(nn.Module):
+    """Per-token MLP ``[B, T, 12] -> [B, T, 10]``; ``fc1`` can run twice (a shared layer)."""
+
+    def __init__(self, twice: bool = False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 10)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=gen) * 0.4
+        self.twice = twice
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        if self.twice:
+            h = h + torch.tanh(self.fc1(torch.sin(3 * x)))
+        return self.fc2(h)
+
+
+def _grads(model, x, config, loss_scale=1.0):
+    cap = GradientCapture(model, config)
+    with cap.record(range(len(x)), loss_scale=loss_scale) as rec:
+        ((model(x) ** 2).sum() / loss_scale).backward()
+    model.zero_grad(set_to_none=True)
+    cap.remove()
+    return cap, rec
+
+
+def _inputs(n, tokens, seed=1):
+    return torch.randn(n, tokens, 12, generator=torch.Generator().manual_seed(seed))
+
+
+def _best_rank(dense, c):
+    u, s, vh = torch.linalg.svd(dense.double())
+    return ((u[:, :, :c] * s[:, None, :c]) @ vh[:, :c]).float()
+
+
+@pytest.mark.parametrize("route", ["auto", "qr", "dense"])
+@pytest.mark.parametrize("tokens", [3, 9])
+@pytest.mark.parametrize("twice", [False, True])
+def test_captured_factors_are_exact_or_the_best_rank_c(route, tokens, twice):
+    model, x, c = TokenMLP(twice), _inputs(5, tokens), 4
+    base = dict(proj_dim=10, seed=3)
+    _, dense_rec = _grads(model, x, CaptureConfig(**base))
+    cap, rec = _grads(model, x, CaptureConfig(**base, rank=c, factor_route=route), loss_scale=7.0)
+    stored = rec.stored()
+    assert cap.layer_ranks == {"fc1": c, "fc2": c}
+    for name, want in dense_rec.dense().items():
+        got = stored[name]
+        assert isinstance(got, LowRank) and got.A.shape == (5, 10, c) and got.B.shape == (5, 10, c)
+        assert rel_err(rec.dense()[name], want) < 1e-5            # exact dense stays available (queries)
+        exact_in_rank = tokens * (2 if twice and name == "fc1" else 1) <= c
+        target = want if exact_in_rank else _best_rank(want, c)
+        assert rel_err(got.dense(), target) < 1e-5, (name, route)
+        if not exact_in_rank:
+            assert rel_err(got.dense(), want) > 1e-3              # truncation really happened
+
+
+def test_rank_applies_only_where_factors_are_smaller():
+    model = TokenMLP()
+    # k=3: c·(3+3)=24 >= 9 → dense; k=10: 100 > 4·(10+10) → factors
+    cap = GradientCapture(model, CaptureConfig(proj_dim=3, rank=4))
+    assert cap.layer_ranks == {"fc1": 0, "fc2": 0}
+    meta = cap.store_metadata()
+    assert all("rank" not in layer for layer in meta["layers"])
+    cap.remove()
+    cap = GradientCapture(model, CaptureConfig(proj_dim=10, rank=4))
+    assert [layer["rank"] for layer in cap.store_metadata()["layers"]] == [4, 4]
+    cap.remove()
+
+
+def _factor_pair():
+    gen = torch.Generator().manual_seed(5)
+    dense = torch.randn(3, 6, 5, generator=gen, dtype=torch.float64)
+    lr = LowRank(torch.randn(7, 6, 2, generator=gen, dtype=torch.float64),
+                 torch.randn(7, 5, 2, generator=gen, dtype=torch.float64))
+    lr_q = LowRank(torch.randn(3, 6, 3, generator=gen, dtype=torch.float64),
+                   torch.randn(3, 5, 3, generator=gen, dtype=torch.float64))
+    return dense, lr, lr_q
+
+
+def test_every_inner_route_equals_the_dense_product():
+    dense, lr, lr_q = _factor_pair()
+    cases = [(dense, lr), (lr_q, lr), (lr, dense), (lr_q, dense), (dense, dense)]
+    for x, y in cases:
+        xd = x.dense() if isinstance(x, LowRank) else x
+        yd = y.dense() if isinstance(y, LowRank) else y
+        want = xd.reshape(len(xd), -1) @ yd.reshape(len(yd), -1).T
+        for route in ("auto", "factorized", "materialized"):
+            assert rel_err(inner(x, y, route), want) < 1e-12, (type(x), type(y), route)
+    assert rel_err(sq_norms(lr), (lr.dense() ** 2).sum(dim=(1, 2))) < 1e-12
+    with pytest.raises(ValueError, match="route must be"):
+        inner(dense, lr, "ghost")
+    with pytest.raises(ValueError, match="shapes differ"):
+        inner(dense[:, :5], lr)
+
+
+def test_inner_route_is_the_flop_rule():
+    # dense query vs rank-1 factors: factorized Q·N·Ko·Ki < (N + Q·N)·Ko·Ki, always
+    assert inner_route(16, 1000, 64, 64, 0, 1) == "factorized"
+    # many dense queries vs rank-8 factors: materializing the rows once is cheaper
+    assert inner_route(16, 1000, 64, 64, 0, 8) == "materialized"
+    # factors vs factors at small ranks: factorized; at ranks near the width: materialized
+    assert inner_route(16, 1000, 64, 64, 2, 2) == "factorized"
+    assert inner_route(16, 1000, 64, 64, 48, 48) == "materialized"
+    assert inner_route(4, 4, 8, 8, 0, 0) == "materialized"
+
+
+def _write(path, cap, records, dtype="float32"):
+    with GradientStore.create(path, cap.store_metadata(), StoreConfig(dtype=dtype, flush_every=2)) as w:
+        for r in records:
+            w.append(r)
+    return GradientStore.open(path)
+
+
+def _records(model, config, steps=3, tokens=3):
+    cap = GradientCapture(model, config)
+    out = []
+    for step in range(steps):
+        x = _inputs(4, tokens, seed=10 + step)
+        with cap.record(np.arange(4) + 4 * step, loss_scale=2.0) as rec:
+            ((model(x) ** 2).sum() / 2.0).backward()
+        model.zero_grad(set_to_none=True)
+        out.append(rec.to_record(step=step, lr=0.1))
+    return cap, out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_factor_store_round_trip_and_methods_equal_dense(tmp_path, dtype):
+    model = TokenMLP()
+    cap_d, dense_recs = _records(model, CaptureConfig(proj_dim=10, seed=1))
+    cap_f, factor_recs = _records(model, CaptureConfig(proj_dim=10, seed=1, rank=4))   # T=3 <= c: exact
+    dense = _write(tmp_path / "d", cap_d, dense_recs, dtype)
+    factors = _write(tmp_path / "f", cap_f, factor_recs, dtype)
+    assert factors.meta["representation"] == "lorif" and dense.meta["representation"] == "dense"
+    assert factors.layer_ranks == {"fc1": 4, "fc2": 4} and factors.layer_shapes == dense.layer_shapes
+    # 2·10·4 floats per layer row instead of 10·10
+    assert factors.summary()["floats_per_row"] == 2 * 80 and dense.summary()["floats_per_row"] == 2 * 100
+    block = factors.read_all()
+    assert isinstance(block.grads["fc1"], LowRank) and len(block) == 12
+    want = dense.read_all()
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for name in ("fc1", "fc2"):
+        assert rel_err(block.grads[name].dense(), want.grads[name]) < tol
+    # small blocks concatenate factors across shards the same way
+    pieces = list(factors.iter_blocks(block_size=5))
+    assert [len(p) for p in pieces] == [5, 5, 2] and isinstance(pieces[0].grads["fc2"], LowRank)
+
+    queries = {n: g[:3] for n, g in want.grads.items()}
+    for method, opts in [("graddot", {}), ("gradcos", {}), ("influence", {"hessian": "raw"}),
+                         ("influence", {"hessian": "lorif", "rank": 8})]:
+        ref = attribute(dense, queries, method=method, top_k=12, return_scores=True, **opts)
+        for route in ("auto", "factorized", "materialized"):
+            got = attribute(factors, queries, method=method, top_k=12, return_scores=True, route=route, **opts)
+            assert rel_err(got.all_scores, ref.all_scores) < 10 * tol, (method, opts, route)
+
+
+def test_store_refuses_the_wrong_representation(tmp_path):
+    model = TokenMLP()
+    cap_f, factor_recs = _records(model, CaptureConfig(proj_dim=10, rank=4), steps=1)
+    cap_d, dense_recs = _records(model, CaptureConfig(proj_dim=10), steps=1)
+    with GradientStore.create(tmp_path / "s", cap_f.store_metadata(), StoreConfig()) as w:
+        with pytest.raises(ValueError, match="holds this layer as rank-4 factors"):
+            w.append(dense_recs[0])
+        bad = GradientRecord(ids=factor_recs[0].ids, step=0, lr=0.1, loss_scale=1.0,
+                             grads={n: LowRank(g.A[:, :, :2], g.B[:, :, :2]) for n, g in factor_recs[0].grads.items()})
+        with pytest.raises(ValueError, match="rank-2 factors"):
+            w.append(bad)
+        w.append(factor_recs[0])
+    from olmo_tda.store.errors import StoreMismatchError
+    with pytest.raises(StoreMismatchError, match="rank"):
+        GradientStore.create(tmp_path / "s", cap_d.store_metadata(), StoreConfig())
