@@ -61,3 +61,14 @@ def test_deepspeed_overhead_runs():
     assert res["plain_s"] > 0 and res["ratio_k16"] > 0 and res["cpu_ratio_k16"] > 0
     # the 4 Linears of one block + the head at k=16: float32 rows reached the disk
     assert res["bytes_per_example_k16"] > 4 * 16 * 16
+
+
+def test_lds_runs():
+    import math
+
+    res = _last_json("lds.py", "--num-train", "32", "--num-queries", "4", "--retrains", "4", "--epochs", "2",
+                     "--checkpoints", "2", "--proj-dim", "8", "--rank", "4", "--d-model", "16", "--n-layers", "1")
+    assert res["benchmark"] == "lds" and res["retrains"] == 4
+    for key in ("reliability", "lds_graddot", "lds_tracin", "lds_influence_raw", "lds_influence_lorif",
+                "lds_graddot_exact", "lds_tracin_exact", "lds_influence_lorif_exact"):
+        assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
