@@ -19,6 +19,7 @@ import difflib
 import enum
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -49,12 +50,17 @@ class ConfigError(ValueError):
 
 
 class ProjectionType(str, enum.Enum):
-    """How the seeded Kronecker projectors are drawn (all scaled so that ``E[PᵀP] = I``)."""
+    """How the Kronecker projectors are made: seeded random draws (scaled so that ``E[PᵀP] = I``)
+    or a data-aware eigenbasis read from a file."""
 
     ORTHOGONAL = "orthogonal"
     """Haar-random orthonormal rows scaled by √(n/k): unbiased like Gaussian, much lower variance."""
     GAUSSIAN = "gaussian"
     RADEMACHER = "rademacher"
+    EIGEN = "eigen"
+    """Rows = top-k eigenvectors of each layer's E[a aᵀ] / E[g gᵀ] (KFAC eigenbasis), read from
+    ``capture.basis``. Not scaled: inner products are those of the gradients restricted to the
+    dominant Kronecker subspace (not unbiased estimates of the full ones)."""
 
 
 class StoreDType(str, enum.Enum):
@@ -111,8 +117,9 @@ class CaptureConfig:
     proj_dim: int | tuple[int, int] = 64
     """Projection width per side: ``k`` (both sides) or ``(k_out, k_in)``. 0 = exact, unprojected."""
     proj_type: ProjectionType = ProjectionType.ORTHOGONAL
-    """Distribution of projector entries; all are scaled so projected inner products are unbiased.
-    A side whose width is <= k is kept exact (identity): a wider random map only adds noise."""
+    """Distribution of projector entries (random kinds are scaled so projected inner products are
+    unbiased), or ``eigen``: the data-aware eigenbasis in ``basis``. A side whose width is <= k is
+    kept exact (identity): a wider map only adds noise and bytes."""
     seed: int = 0
     """Projector seed. Matrices derive from (seed, module name, side): identical on every rank."""
     modules: list[str] = field(default_factory=lambda: ["*"])
@@ -127,8 +134,16 @@ class CaptureConfig:
     where c·(k_out+k_in) >= k_out·k_in is stored dense: that is both smaller and exact."""
     factor_route: FactorRoute = FactorRoute.AUTO
     """How factors of examples longer than c tokens are computed (``auto`` | ``qr`` | ``dense``)."""
+    basis: str | None = None
+    """Safetensors file of a frozen eigenbasis (:mod:`olmo_tda.capture.eigenbasis`); required when
+    ``proj_type`` is ``eigen``. A training run defaults it to ``<save_folder>/tda/basis.safetensors``
+    and, when the file does not exist yet, estimates it before the first step."""
+    basis_batches: int = 4
+    """Training batches (per rank) a run uses to estimate a missing eigenbasis, at its initial weights."""
 
-    def validate(self, path: str = "capture") -> None:
+    def validate(self, path: str = "capture", *, require_basis: bool = True) -> None:
+        """``require_basis=False``: the ``tda:`` section of a training run, which supplies a default
+        ``basis`` itself."""
         _check_types(self, path)
         dims = self.proj_dims
         _check(all(d >= 0 for d in dims), f"{path}.proj_dim", f"must be >= 0, got {self.proj_dim!r}")
@@ -136,6 +151,14 @@ class CaptureConfig:
                f"either both sides are projected or neither (0 = exact), got {self.proj_dim!r}")
         _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
         _check(self.rank >= 0, f"{path}.rank", f"must be >= 0 (0 = dense gradients), got {self.rank}")
+        _check(self.basis_batches >= 1, f"{path}.basis_batches", f"must be >= 1, got {self.basis_batches}")
+        if require_basis and self.proj_type is ProjectionType.EIGEN and not self.exact:
+            _check(bool(self.basis), f"{path}.basis",
+                   "proj_type 'eigen' needs the eigenbasis file: estimate one with "
+                   "olmo_tda.capture.eigenbasis.estimate_eigenbasis(...).save(PATH), set capture.basis=PATH "
+                   "(an OLMo training run does this itself)")
+        if self.basis and self.proj_type is not ProjectionType.EIGEN:
+            warnings.warn(f"{path}.basis is ignored: proj_type is {self.proj_type.value!r}, not 'eigen'", stacklevel=2)
         _check(len(self.modules) > 0, f"{path}.modules", "needs at least one pattern ('*' = all)")
 
     @property
@@ -261,7 +284,7 @@ class TDAConfig:
 
     def validate(self, path: str = "tda") -> None:
         _check_types(self, path)
-        self.capture.validate(f"{path}.capture")
+        self.capture.validate(f"{path}.capture", require_basis=False)   # a run defaults capture.basis
         self.store.validate(f"{path}.store")
         self.batch.validate(f"{path}.batch")
         self.trajectory.validate(f"{path}.trajectory")

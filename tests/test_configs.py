@@ -96,7 +96,9 @@ def _documented_tda_keys(path: Path) -> set[str]:
             stack.append((indent, key))
             continue
         assert "#" in value, f"{path.name}:{lineno}: tda key {key!r} has no comment explaining it"
-        documented.add(".".join([k for _, k in stack] + [key]))
+        dotted = ".".join([k for _, k in stack] + [key])
+        assert dotted not in documented, f"{path.name}:{lineno}: tda key {dotted!r} appears twice (YAML keeps the last)"
+        documented.add(dotted)
     return documented
 
 

@@ -16,8 +16,10 @@ Example::
     cap.remove()
 """
 
+from .eigenbasis import EigenBasis, EigenProjector, estimate_eigenbasis
 from .hooks import CaptureError, GradientCapture, Recording, canonical_name
 from .projection import IdentityProjector, Projector, RandomProjector, make_projector, register_projector
 
 __all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name", "Projector",
-           "IdentityProjector", "RandomProjector", "make_projector", "register_projector"]
+           "IdentityProjector", "RandomProjector", "EigenBasis", "EigenProjector", "estimate_eigenbasis",
+           "make_projector", "register_projector"]

@@ -230,7 +230,7 @@ class GradientCapture:
         k = self.config.proj_dims
         self.projectors: dict[str, Projector] = {
             name: make_projector(name, m.out_features, m.in_features + self._with_bias[name], k,
-                                 self.config.proj_type, self.config.seed)
+                                 self.config.proj_type, self.config.seed, basis=self.config.basis)
             for name, m in self.modules.items()
         }
         if enabled:

@@ -1,4 +1,4 @@
-"""Seeded Kronecker projectors: ``Ĝ = P_out G P_inᵀ`` with the same matrices everywhere.
+"""Kronecker projectors: ``Ĝ = P_out G P_inᵀ`` with the same matrices everywhere.
 
 A projector maps one Linear layer's per-token input ``a`` (width ``n_in``) and output gradient ``g``
 (width ``n_out``) to ``k_in`` and ``k_out`` wide factors. Random projectors are generated on the CPU
@@ -7,8 +7,9 @@ bit-identical matrices. Entries are scaled by ``1/√k`` so ``E[PᵀP] = I`` and
 products are unbiased estimates of the exact ones.
 
 A projector is an object with its own state (``spec()`` describes it, ``matrices()`` returns it) so
-that data-aware projectors (e.g. a KFAC eigenbasis estimated from data) can be added by registering
-a new class, without touching the hooks.
+that data-aware projectors are added by registering a new class, without touching the hooks: kind
+``eigen`` (:mod:`olmo_tda.capture.eigenbasis`) reads each layer's KFAC eigenbasis from a frozen file,
+passed to :func:`make_projector` as ``basis``.
 
 Example::
 
@@ -21,14 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable, Protocol
+import os
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
-from ..config import ProjectionType
+from ..config import ConfigError, ProjectionType
 
-__all__ = ["Projector", "IdentityProjector", "RandomProjector", "make_projector", "register_projector",
-           "projector_seed", "specs_hash"]
+if TYPE_CHECKING:
+    from .eigenbasis import EigenBasis
+
+__all__ = ["Projector", "IdentityProjector", "MatrixProjector", "RandomProjector", "make_projector",
+           "register_projector", "projector_seed", "specs_hash", "matrices_digest"]
 
 
 class Projector(Protocol):
@@ -82,36 +87,27 @@ class IdentityProjector:
         return self
 
 
-class RandomProjector:
-    """Random projector drawn on CPU from a per-(layer, side) seed.
+def _is_identity(mat: torch.Tensor) -> bool:
+    return mat.shape[0] == mat.shape[1] and torch.equal(mat, torch.eye(mat.shape[0], dtype=mat.dtype))
 
-    Gaussian/Rademacher entries are scaled by 1/√k. Orthogonal rows are the first k columns of a
-    Haar-random orthogonal matrix (QR of a Gaussian in float64, signs fixed by R's diagonal, then
-    rounded to float32) scaled by √(n/k), so ``E[PᵀP] = I`` as well, with lower variance. A side
-    with ``k >= n`` is the identity (exact): projecting up can only add noise and bytes.
+
+def matrices_digest(proj_out_KO: torch.Tensor, proj_in_KI: torch.Tensor) -> str:
+    """sha256 of the two matrices' float32 bytes: a store refuses matrices that differ in any bit."""
+    return hashlib.sha256(proj_out_KO.numpy().tobytes() + proj_in_KI.numpy().tobytes()).hexdigest()
+
+
+class MatrixProjector:
+    """A projector given by two explicit float32 CPU matrices ``P_out [k_out, n_out]`` and
+    ``P_in [k_in, n_in]`` (last column: bias). Subclasses say where the matrices come from
+    (``spec()``); the hot path is shared. A side whose matrix is the identity skips its matmul.
     """
 
-    def __init__(self, name: str, n_out: int, n_in: int, k_out: int, k_in: int,
-                 kind: ProjectionType, seed: int):
-        self.name, self.kind, self.seed = name, ProjectionType(kind), seed
-        self.k_out, self.k_in, self.n_out, self.n_in = min(k_out, n_out), min(k_in, n_in), n_out, n_in
-        self.proj_out_KO = self._draw(k_out, n_out, "out")   # [k_out, n_out]
-        self.proj_in_KI = self._draw(k_in, n_in, "in")       # [k_in, n_in] (last column: bias)
+    def __init__(self, name: str, proj_out_KO: torch.Tensor, proj_in_KI: torch.Tensor):
+        self.name = name
+        self.proj_out_KO = proj_out_KO      # [k_out, n_out]
+        self.proj_in_KI = proj_in_KI        # [k_in, n_in] (last column: bias)
+        (self.k_out, self.n_out), (self.k_in, self.n_in) = proj_out_KO.shape, proj_in_KI.shape
         self._bind(torch.device("cpu"))
-
-    def _draw(self, k: int, n: int, side: str) -> torch.Tensor:
-        if k >= n:
-            return torch.eye(n)
-        gen = torch.Generator(device="cpu").manual_seed(projector_seed(self.seed, self.name, side))
-        if self.kind is ProjectionType.ORTHOGONAL:
-            q, r = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
-            q *= torch.sign(torch.diagonal(r)).masked_fill_(torch.diagonal(r) == 0, 1.0)
-            return (q.T * (n / k) ** 0.5).to(torch.float32).contiguous()
-        if self.kind is ProjectionType.GAUSSIAN:
-            mat = torch.randn(k, n, generator=gen, dtype=torch.float32)
-        else:
-            mat = torch.randint(0, 2, (k, n), generator=gen).to(torch.float32).mul_(2).sub_(1)
-        return mat.div_(k ** 0.5)
 
     def _bind(self, device: torch.device) -> None:
         # Transposed, contiguous copies on the compute device so the hot path is one plain matmul;
@@ -120,8 +116,8 @@ class RandomProjector:
         self._in_T = self.proj_in_KI.t().contiguous().to(device)          # [n_in, k_in]
         self._in_T_nobias = self._in_T[: self.n_in - 1]
         self._bias_row = self._in_T[-1]
-        self._out_identity = self.k_out == self.n_out
-        self._in_identity = self.k_in == self.n_in
+        self._out_identity = _is_identity(self.proj_out_KO)
+        self._in_identity = _is_identity(self.proj_in_KI)
 
     def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor:
         if self._in_identity:
@@ -139,43 +135,94 @@ class RandomProjector:
         return self.proj_out_KO, self.proj_in_KI
 
     def spec(self) -> dict[str, Any]:
-        # the digest makes a store refuse matrices that differ in any bit (e.g. another LAPACK's QR)
-        digest = hashlib.sha256(self.proj_out_KO.numpy().tobytes() + self.proj_in_KI.numpy().tobytes())
-        return {"kind": self.kind.value, "seed": self.seed, "shape": [self.k_out, self.k_in],
-                "layer_shape": [self.n_out, self.n_in], "digest": digest.hexdigest()[:16]}
+        return {"kind": "matrix", "shape": [self.k_out, self.k_in], "layer_shape": [self.n_out, self.n_in],
+                "digest": matrices_digest(self.proj_out_KO, self.proj_in_KI)[:16]}
 
-    def to(self, device: torch.device) -> "RandomProjector":
+    def to(self, device: torch.device) -> "MatrixProjector":
         if self._out_T.device != device:
             self._bind(device)
         return self
 
 
+class RandomProjector(MatrixProjector):
+    """Random projector drawn on CPU from a per-(layer, side) seed.
+
+    Gaussian/Rademacher entries are scaled by 1/√k. Orthogonal rows are the first k columns of a
+    Haar-random orthogonal matrix (QR of a Gaussian in float64, signs fixed by R's diagonal, then
+    rounded to float32) scaled by √(n/k), so ``E[PᵀP] = I`` as well, with lower variance. A side
+    with ``k >= n`` is the identity (exact): projecting up can only add noise and bytes.
+    """
+
+    def __init__(self, name: str, n_out: int, n_in: int, k_out: int, k_in: int,
+                 kind: ProjectionType, seed: int):
+        self.name, self.kind, self.seed = name, ProjectionType(kind), seed
+        super().__init__(name, self._draw(k_out, n_out, "out"), self._draw(k_in, n_in, "in"))
+
+    def spec(self) -> dict[str, Any]:
+        # the digest makes a store refuse matrices that differ in any bit (e.g. another LAPACK's QR)
+        return {"kind": self.kind.value, "seed": self.seed, "shape": [self.k_out, self.k_in],
+                "layer_shape": [self.n_out, self.n_in],
+                "digest": matrices_digest(self.proj_out_KO, self.proj_in_KI)[:16]}
+
+    def _draw(self, k: int, n: int, side: str) -> torch.Tensor:
+        if k >= n:
+            return torch.eye(n)
+        gen = torch.Generator(device="cpu").manual_seed(projector_seed(self.seed, self.name, side))
+        if self.kind is ProjectionType.ORTHOGONAL:
+            q, r = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+            q *= torch.sign(torch.diagonal(r)).masked_fill_(torch.diagonal(r) == 0, 1.0)
+            return (q.T * (n / k) ** 0.5).to(torch.float32).contiguous()
+        if self.kind is ProjectionType.GAUSSIAN:
+            mat = torch.randn(k, n, generator=gen, dtype=torch.float32)
+        else:
+            mat = torch.randint(0, 2, (k, n), generator=gen).to(torch.float32).mul_(2).sub_(1)
+        return mat.div_(k ** 0.5)
+
+
 ProjectorFactory = Callable[..., Projector]
-_REGISTRY: dict[str, ProjectorFactory] = {}
+_REGISTRY: dict[str, tuple[ProjectorFactory, bool]] = {}
+
+def register_projector(kind: str, factory: ProjectorFactory, *, uses_basis: bool = False) -> None:
+    """Register a projector class under ``kind``, called as ``factory(name, n_out, n_in, k, seed)``;
+    with ``uses_basis``, as ``factory(name, n_out, n_in, k, seed, basis=basis)`` (the data file or
+    object given to :func:`make_projector`, possibly None)."""
+    _REGISTRY[kind] = (factory, uses_basis)
 
 
-def register_projector(kind: str, factory: ProjectorFactory) -> None:
-    """Register a projector class under ``kind`` (called as ``factory(name, n_out, n_in, k, seed)``)."""
-    _REGISTRY[kind] = factory
+def _eigen_factory(name: str, n_out: int, n_in: int, k: tuple[int, int], seed: int, *, basis: Any) -> Projector:
+    from .eigenbasis import EigenBasis, EigenProjector   # imported on use: it imports this module
+
+    if basis is None:
+        raise ConfigError("capture.basis: proj_type 'eigen' needs the eigenbasis file (estimate one with "
+                          "olmo_tda.capture.eigenbasis.estimate_eigenbasis(...).save(PATH))")
+    return EigenProjector(name, n_out, n_in, k[0], k[1], EigenBasis.open(basis))
 
 
 for _kind in ProjectionType:
-    register_projector(_kind.value, lambda name, n_out, n_in, k, seed, _k=_kind:
-                       RandomProjector(name, n_out, n_in, k[0], k[1], _k, seed))
+    if _kind is ProjectionType.EIGEN:
+        register_projector(_kind.value, _eigen_factory, uses_basis=True)
+    else:
+        register_projector(_kind.value, lambda name, n_out, n_in, k, seed, _k=_kind:
+                           RandomProjector(name, n_out, n_in, k[0], k[1], _k, seed))
 
 
 def make_projector(name: str, n_out: int, n_in: int, k: tuple[int, int], kind: ProjectionType | str,
-                   seed: int) -> Projector:
+                   seed: int, *, basis: "str | os.PathLike[str] | EigenBasis | None" = None) -> Projector:
     """The projector for one layer; ``k == (0, 0)`` gives the exact (identity) projector.
 
-    ``n_in`` includes the bias column when the bias is captured.
+    ``n_in`` includes the bias column when the bias is captured. ``basis`` (``capture.basis``: a
+    safetensors file, or an :class:`~olmo_tda.capture.eigenbasis.EigenBasis`) is used by data-aware
+    kinds (``eigen``) and ignored by the random ones; a file is read once per process.
     """
     if k == (0, 0):
         return IdentityProjector(name, n_out, n_in)
     kind = kind.value if isinstance(kind, ProjectionType) else str(kind)
     if kind not in _REGISTRY:
         raise ValueError(f"unknown projector kind {kind!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[kind](name, n_out, n_in, k, seed)
+    factory, uses_basis = _REGISTRY[kind]
+    if uses_basis:
+        return factory(name, n_out, n_in, k, seed, basis=basis)
+    return factory(name, n_out, n_in, k, seed)
 
 
 def specs_hash(specs: dict[str, dict[str, Any]]) -> str:

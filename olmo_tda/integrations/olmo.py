@@ -12,6 +12,12 @@ nothing to the step otherwise:
   checkpoints; on resume the store drops rows past the checkpoint's step (they will be re-run), so
   the store has neither duplicates nor gaps. Checkpoints flush the store first.
 
+With ``capture.proj_type: eigen`` the trainer first makes sure the eigenbasis file exists
+(``capture.basis``, default ``<save_folder>/tda/basis.safetensors``): if it does not, it is estimated
+over the first ``capture.basis_batches`` training batches of every rank at the initial weights (no
+optimizer step; covariances summed over ranks, rank 0's matrices broadcast) and saved before the
+first step. A resumed run loads the file, never re-estimates it.
+
 With ``tda.enabled: false`` none of this happens: no capture object, no hooks, no store, no thread;
 the methods call straight through to OLMo's.
 
@@ -25,6 +31,7 @@ Example (what ``olmo-tda train run.yaml --tda.capture.proj_dim=32`` does)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -41,21 +48,35 @@ import torch.distributed as dist
 import yaml
 
 from ..capture import GradientCapture
-from ..config import ConfigError, TDAConfig
+from ..capture.eigenbasis import estimate_eigenbasis
+from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..store import GradientStore
 
 try:
     from olmo.config import CheckpointType, TrainConfig
+    from olmo.torch_util import move_to_device
     from olmo.train import Trainer
 except ImportError as e:  # pragma: no cover - ai2-olmo is a hard dependency, but say so clearly
     raise ImportError("olmo_tda.integrations.olmo needs ai2-olmo==0.6.0 (pip install ai2-olmo==0.6.0)") from e
 
-__all__ = ["TDATrainer", "load_configs", "TDA_YAML"]
+__all__ = ["TDATrainer", "load_configs", "basis_path", "TDA_YAML", "BASIS_FILE"]
 
 log = logging.getLogger(__name__)
 
 TDA_YAML = "tda.yaml"
 """Saved beside OLMo's ``config.yaml`` (which stays loadable by plain OLMo tools)."""
+BASIS_FILE = "basis.safetensors"
+"""The eigenbasis of a run (``proj_type: eigen``) unless ``capture.basis`` names another file."""
+
+
+def basis_path(capture: CaptureConfig, run_dir: str | Path) -> Path:
+    """Where a run's eigenbasis is: ``capture.basis`` if set (a relative path is taken from the
+    current directory, like every path of the config, else from ``run_dir``), otherwise
+    ``<run_dir>/tda/basis.safetensors``."""
+    if not capture.basis:
+        return Path(run_dir) / "tda" / BASIS_FILE
+    path = Path(capture.basis)
+    return path if path.is_absolute() or path.exists() or not (Path(run_dir) / path).exists() else Path(run_dir) / path
 
 
 def load_configs(path: str | Path, overrides: list[str] | None = None) -> tuple[TrainConfig, TDAConfig]:
@@ -117,7 +138,7 @@ class TDATrainer(Trainer):
         self._metrics_file = None
         if not self.tda.enabled:
             return
-        self.capture = GradientCapture(self.dist_model, self.tda.capture)
+        self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
         store_path = Path(self.tda.store.path or Path(self.cfg.save_folder) / "tda" / "store")
         meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
                                                           "data_paths": list(self.cfg.data.paths or [])}}
@@ -132,6 +153,46 @@ class TDATrainer(Trainer):
             self.trajectory = Trajectory(self.tda.trajectory,
                                          self.tda.trajectory.path or Path(self.cfg.save_folder) / "tda" / "trajectory",
                                          projector_hash=self.capture.projector_hash, rank=_rank())
+
+    def _with_basis(self, capture: CaptureConfig) -> CaptureConfig:
+        """``capture`` with ``basis`` set to the run's eigenbasis file, estimated first if missing."""
+        if capture.proj_type is not ProjectionType.EIGEN or capture.exact:
+            return capture
+        path = basis_path(capture, self.cfg.save_folder)
+        exists = torch.tensor([float(path.is_file())], device=self.device)   # nccl: a device tensor
+        if _world_size() > 1:           # rank 0 decides, so that no rank estimates alone
+            dist.broadcast(exists, src=0)
+        if not exists.item():
+            if self.cfg.load_path is not None:
+                log.warning("tda: %s does not exist: estimating the eigenbasis at the freshly built weights, "
+                            "not at load_path's (estimate it yourself and set tda.capture.basis to use others)", path)
+            log.info("tda: estimating the eigenbasis over %d training batches per rank -> %s",
+                     capture.basis_batches, path)
+            # forked RNG: iterating the loader draws a seed; training must go on as it would without this
+            with torch.random.fork_rng(devices=[self.device.index or 0] if self.device.type == "cuda" else []):
+                basis = estimate_eigenbasis(self.dist_model, self._first_micro_batches(capture.basis_batches),
+                                            self._summed_loss, capture, distributed=_world_size() > 1)
+            if _rank() == 0:
+                basis.save(path)
+            if _world_size() > 1:
+                dist.barrier()
+                if not path.is_file():  # a node-local save_folder: each node keeps its (identical) copy
+                    basis.save(path)
+        return dataclasses.replace(capture, basis=str(path))
+
+    def _first_micro_batches(self, num_batches: int):
+        """The micro-batches of this rank's first ``num_batches`` training batches (the loader is
+        iterated afresh, so ``fit`` still starts from the first batch)."""
+        it = iter(self.train_loader)
+        batches = [b for _, b in zip(range(num_batches), it)]
+        del it
+        for batch in batches:
+            yield from self.split_batch(move_to_device(batch, self.device))
+
+    def _summed_loss(self, model: torch.nn.Module, micro_batch: dict[str, Any]) -> torch.Tensor:
+        with torch.autocast("cuda", enabled=True, dtype=self.cfg.autocast_precision):   # as OLMo trains
+            ce_loss, _, _ = self.model_forward(micro_batch, loss_reduction="sum")        # runs self.dist_model
+        return ce_loss
 
     # -- the step --------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Ask an OLMo run which training passages made it produce a text (``olmo-tda attribute RUN``).
 
 A run directory written by ``olmo-tda train`` holds everything needed: OLMo's ``config.yaml`` (model,
-tokenizer, data paths), ``tda.yaml`` (the capture config, hence the projectors), the latest
+tokenizer, data paths), ``tda.yaml`` (the capture config, hence the projectors; with ``proj_type:
+eigen`` also ``tda/basis.safetensors`` or the file ``capture.basis`` names), the latest
 unsharded checkpoint (weights, read with ``weights_only=True``), the gradient store, and the
 memmap training data to decode passages by their global index.
 
@@ -26,12 +27,12 @@ import torch
 import yaml
 
 from ..capture import GradientCapture
-from ..config import TDAConfig
+from ..config import ProjectionType, TDAConfig
 from ..demo.corpus import ByteTokenizer
 from ..demo.data import BYTE_TOKENIZER_ID
 from ..methods import attribute
 from ..store import GradientStore
-from .olmo import TDA_YAML
+from .olmo import TDA_YAML, basis_path
 
 __all__ = ["OLMoRun", "DeepSpeedRun", "open_run"]
 
@@ -68,6 +69,8 @@ class OLMoRun:
                 raise FileNotFoundError(f"{self.dir} is not an olmo-tda run directory (no {needed})")
         self.cfg = TrainConfig.load(self.dir / "config.yaml", validate_paths=False)
         self.tda = TDAConfig.from_dict((yaml.safe_load((self.dir / TDA_YAML).read_text()) or {}).get("tda"))
+        if self.tda.capture.proj_type is ProjectionType.EIGEN:     # the frozen eigenbasis the run trained with
+            self.tda.capture.basis = str(basis_path(self.tda.capture, self.dir))
         self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"))
         ckpt = Path(checkpoint) if checkpoint else self._latest_checkpoint()
         self.cfg.model.init_device = "cpu"
