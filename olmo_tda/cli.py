@@ -90,10 +90,12 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
                if v is not None}
     if options and args.method != "influence":
         raise ValueError(f"--hessian/--damping/--rank apply to --method influence, not {args.method}")
-    if args.route != "auto":
-        if args.method not in ("graddot", "gradcos", "influence"):
-            raise ValueError(f"--route applies to graddot, gradcos and influence, not {args.method}")
-        options["route"] = args.route
+    for flag, key, value, default in (("--route", "route", args.route, "auto"),
+                                      ("--query-rank", "query_rank", args.query_rank, 0)):
+        if value != default:
+            if args.method not in ("graddot", "gradcos", "influence"):
+                raise ValueError(f"{flag} applies to graddot, gradcos and influence, not {args.method}")
+            options[key] = value
     run = open_run(run_dir)
     answers = run.attribute(_read_queries(args), method=args.method, top_k=args.top_k,
                             progress=sys.stderr.isatty(), ids=ids, **options)
@@ -173,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
     attr.add_argument("--rank", type=int, help="influence lorif: rank r of the Fisher (default 64)")
     attr.add_argument("--route", choices=["auto", "factorized", "materialized"], default="auto",
-                      help="inner products with LoRIF factor stores: by FLOP count (auto) or forced")
+                      help="inner products with LoRIF factor stores: by cost (auto) or forced")
+    attr.add_argument("--query-rank", type=int, default=0,
+                      help="approximate each query gradient by its best rank-r factors (faster on factor "
+                           "stores); 0 = exact queries")
     attr.add_argument("--html", help="also write an HTML report of the answers to this file")
     attr.add_argument("--query", action="append", help="query text (repeatable)")
     attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")

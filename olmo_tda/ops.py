@@ -9,7 +9,14 @@ A layer's per-example gradients are either dense ``[N, Ko, Ki]`` tensors or
 - ``"materialized"``: form the dense rows of each factor side (c·Ko·Ki per row), then one GEMM
   (Q·N·Ko·Ki);
 
-by the smaller FLOP count, or as forced with ``route=``. Every route gives the same numbers up to
+by the smaller FLOP count, or as forced with ``route=``. Dense·factors needs a measured correction:
+its two routes cost about the same FLOPs whenever Q·c is near Q + c, but the factorized GEMM has
+an inner dimension of only Ki (about half as efficient per FLOP) plus a reduction over c, while
+materializing is memory-bound (it writes Ko·Ki floats per row) and then runs one well-shaped GEMM.
+:func:`inner_route` uses the cost per row that benchmarks/routing.py measured (k=64, 2-core CPU),
+in units of one factorized Ko·Ki multiply-add: factorized ``Q·c + 1.75·c``, materialized
+``21.5 + 5.5·log2(Q) + 0.5·c`` (a GEMM of few query rows is far from peak, so its cost grows
+slower than Q). Other machines have other constants; ``route=`` overrides the choice. Every route gives the same numbers up to
 rounding (tests/test_ops.py). The ghost route for raw token factors is
 :func:`olmo_tda.capture.factors.cross_gram`, the same rule with c = tokens.
 
@@ -21,16 +28,24 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .capture.factors import dot_dense_factor, dot_factor_factor
+from .capture.factors import dot_dense_factor, dot_factor_factor, truncate_dense
 from .store.record import LowRank
 
-__all__ = ["ROUTES", "flat", "sq_norms", "inner_route", "inner"]
+__all__ = ["ROUTES", "flat", "sq_norms", "inner_route", "inner", "lowrank_queries"]
 
 ROUTES = ("auto", "factorized", "materialized")
 
 Rep = "torch.Tensor | LowRank"
+
+# dense·factors costs per row, in units of one factorized Ko·Ki multiply-add (benchmarks/routing.py)
+_FACTOR_REDUCE = 1.75         # per factor column: the A-weighted reduction of the factorized route
+_MATERIALIZE = 21.5           # writing a Ko·Ki row (memory-bound)
+_MATERIALIZE_PER_C = 0.5      # the c small matmuls that form it
+_DENSE_GEMM = 5.5             # × log2(Q): the GEMM of Q dense queries against materialized rows
 
 
 def flat(x: Rep) -> torch.Tensor:
@@ -57,8 +72,11 @@ def inner_route(num_q: int, num_n: int, k_out: int, k_in: int, rank_q: int, rank
         return "materialized"
     if rank_q and rank_n:
         factorized = num_q * num_n * rank_q * rank_n * (k_out + k_in)
-    else:
-        factorized = num_q * num_n * max(rank_q, rank_n) * dense_width
+    else:                                 # measured costs per row (see the module docstring)
+        num_dense, c = (num_q if rank_n else num_n), max(rank_q, rank_n)
+        factorized_row = num_dense * c + _FACTOR_REDUCE * c
+        materialized_row = _MATERIALIZE + _DENSE_GEMM * math.log2(max(num_dense, 1)) + _MATERIALIZE_PER_C * c
+        return "factorized" if factorized_row < materialized_row else "materialized"
     materialized = (num_q * rank_q + num_n * rank_n) * dense_width + num_q * num_n * dense_width
     return "factorized" if factorized < materialized else "materialized"
 
@@ -80,3 +98,13 @@ def inner(x: Rep, y: Rep, route: str = "auto") -> torch.Tensor:
         if isinstance(x, LowRank):
             return dot_dense_factor(y, x.A, x.B).T
     return flat(x) @ flat(y).T
+
+
+def lowrank_queries(queries: dict[str, torch.Tensor], rank: int) -> dict[str, "torch.Tensor | LowRank"]:
+    """Each dense query gradient ``[Q, Ko, Ki]`` as its best rank-``rank`` factors (``rank=0``: as
+    is). An approximation of the query side, traded for speed against factor stores (factors·factors
+    costs Q·N·r·c·(Ko+Ki) instead of Q·N·Ko·Ki); layers where rank-r factors are not smaller stay dense."""
+    if rank < 0:
+        raise ValueError(f"query_rank must be >= 0, got {rank}")
+    return {n: LowRank(*truncate_dense(q, rank)) if rank and rank * (q.shape[1] + q.shape[2]) < q.shape[1] * q.shape[2]
+            else q for n, q in queries.items()}

@@ -26,9 +26,10 @@ __all__ = ["lowrank_factors", "truncate_dense", "factor_route", "dot_dense_dense
            "dot_factor_factor", "dot_ghost", "route", "cross_gram"]
 
 # Rough FLOP constants of LAPACK's Householder QR and thin SVD on an m×n matrix (p = min(m, n)):
-# QR ≈ 2·m·n·p, SVD with vectors ≈ SVD_FLOPS·m·n·p. Only the ratio of the two routes matters, and
-# benchmarks/routing.py checks the choice against the measured best.
-_SVD_FLOPS = 12
+# QR ≈ 2·m·n·p, SVD with vectors ≈ SVD_FLOPS·m·n·p. Only the ratio of the two routes matters:
+# benchmarks/routing.py measured the switch between T=40 and 48 at k=64, c=4, which 4 reproduces
+# (12 switched at T=54: 1.3x slower at T=48).
+_SVD_FLOPS = 4
 
 
 def _qr_flops(m: int, n: int) -> int:
@@ -106,9 +107,13 @@ def dot_dense_dense(q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def dot_dense_factor(q: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """``[Q, N]`` of dense ``[Q, Ko, Ki]`` · factors ``A [N, Ko, c]``, ``B [N, Ki, c]``: ``sum(A ∘ (q B))``."""
-    qb = torch.einsum("qoi,nic->qnoc", q, B)
-    return torch.einsum("qnoc,noc->qn", qb, A)
+    """``[Q, N]`` of dense ``[Q, Ko, Ki]`` · factors ``A [N, Ko, c]``, ``B [N, Ki, c]``: ``sum(A ∘ (q B))``,
+    as one GEMM ``[Q·Ko, Ki] @ [Ki, N·c]`` and a reduction over Ko and c."""
+    num_q, k_out, k_in = q.shape
+    num_n, _, c = A.shape
+    qb = q.reshape(num_q * k_out, k_in) @ B.permute(1, 0, 2).reshape(k_in, num_n * c)     # [Q·Ko, N·c]
+    prod = qb.view(num_q, k_out, num_n * c) * A.permute(1, 0, 2).reshape(1, k_out, num_n * c)
+    return prod.sum(dim=1).view(num_q, num_n, c).sum(dim=2)
 
 
 def dot_factor_factor(A1: torch.Tensor, B1: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,7 @@ from ..capture import GradientCapture
 from ..capture.hooks import Recording, _in_backward
 from ..config import ConfigError, LossReduction, TDAConfig
 from ..store import GradientRecord, GradientStore
+from ..store.record import cat_rows
 
 __all__ = ["attach", "DeepSpeedTDA", "STATE_KEY"]
 
@@ -256,8 +257,8 @@ class DeepSpeedTDA:
             return
         ids = np.concatenate([r.ids for r in records])
         scales = np.concatenate([np.full(len(r.ids), r.loss_scale) for r in records])
-        parts = [r.dense() for r in records]
-        grads = {name: torch.cat([p[name] for p in parts]) if len(parts) > 1 else parts[0][name]
+        parts = [r.stored() for r in records]          # dense, or LoRIF factors with capture.rank
+        grads = {name: cat_rows([p[name] for p in parts]) if len(parts) > 1 else parts[0][name]
                  for name in parts[0]}
         self.store.append(GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads))
         self.steps_committed += 1

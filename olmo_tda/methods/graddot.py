@@ -2,14 +2,15 @@
 
 Inner products sum over the chosen layers (block-diagonal: each layer's flattened ``Ko·Ki`` block).
 Training rows may be dense or LoRIF factors; :func:`olmo_tda.ops.inner` routes each layer's product
-(``route="auto"`` by FLOP count, or forced ``"factorized"`` / ``"materialized"``).
+(``route="auto"`` by cost, or forced ``"factorized"`` / ``"materialized"``). ``query_rank=r`` trades
+exact queries for their best rank-r factors (faster against factor stores; see docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops import ROUTES, inner, sq_norms
+from ..ops import ROUTES, inner, lowrank_queries, sq_norms
 from .base import register_method
 
 __all__ = ["GradDot", "GradCos"]
@@ -21,14 +22,16 @@ class GradDot:
 
     name = "graddot"
 
-    def __init__(self, route: str = "auto"):
+    def __init__(self, route: str = "auto", query_rank: int = 0):
         if route not in ROUTES:
             raise ValueError(f"{self.name}: route must be one of {ROUTES}, got {route!r}")
-        self.route = route
-        self.info: dict = {"route": route}
+        if query_rank < 0:
+            raise ValueError(f"{self.name}: query_rank must be >= 0 (0 = exact queries), got {query_rank}")
+        self.route, self.query_rank = route, query_rank
+        self.info: dict = {"route": route, "query_rank": query_rank}
 
-    def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: q.to(torch.float32) for n, q in queries.items()}
+    def prepare(self, queries: dict[str, torch.Tensor]) -> dict:
+        return lowrank_queries({n: q.to(torch.float32) for n, q in queries.items()}, self.query_rank)
 
     def score_block(self, state: dict[str, torch.Tensor], grads: dict) -> torch.Tensor:
         return sum(inner(state[n], grads[n], self.route) for n in state)
@@ -41,10 +44,10 @@ class GradCos(GradDot):
 
     name = "gradcos"
 
-    def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        queries = super().prepare(queries)
+    def prepare(self, queries: dict[str, torch.Tensor]) -> dict:
+        queries = {n: q.to(torch.float32) for n, q in queries.items()}
         norm = torch.sqrt(sum(sq_norms(q) for q in queries.values())).clamp_min(1e-30)
-        return {n: q / norm[:, None, None] for n, q in queries.items()}
+        return lowrank_queries({n: q / norm[:, None, None] for n, q in queries.items()}, self.query_rank)
 
     def score_block(self, state: dict[str, torch.Tensor], grads: dict) -> torch.Tensor:
         norm = torch.sqrt(sum(sq_norms(grads[n]) for n in state)).clamp_min(1e-30)

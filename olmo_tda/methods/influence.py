@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..ops import ROUTES, flat, inner
+from ..ops import ROUTES, flat, inner, lowrank_queries
 from .base import register_method
 
 __all__ = ["Influence", "fisher_stats", "lowrank_fisher", "woodbury_apply"]
@@ -116,7 +116,8 @@ class Influence:
     name = "influence"
 
     def __init__(self, *, hessian: str = "lorif", damping: float | None = None, damping_ratio: float = 0.1,
-                 rank: int = 64, oversample: int = 8, iterations: int = 3, seed: int = 0, route: str = "auto"):
+                 rank: int = 64, oversample: int = 8, iterations: int = 3, seed: int = 0, route: str = "auto",
+                 query_rank: int = 0):
         if hessian not in ("raw", "lorif"):
             raise ValueError(f"influence: hessian must be 'raw' or 'lorif', got {hessian!r}")
         if damping is not None and not damping > 0:
@@ -127,7 +128,9 @@ class Influence:
             raise ValueError(f"influence: rank must be >= 1, got {rank}")
         if route not in ROUTES:
             raise ValueError(f"influence: route must be one of {ROUTES}, got {route!r}")
-        self.route = route
+        if query_rank < 0:
+            raise ValueError(f"influence: query_rank must be >= 0 (0 = exact queries), got {query_rank}")
+        self.route, self.query_rank = route, query_rank
         self.hessian, self.damping, self.damping_ratio = hessian, damping, damping_ratio
         self.rank, self.oversample, self.iterations, self.seed = rank, oversample, iterations, seed
         self.info: dict[str, Any] = {}
@@ -230,14 +233,17 @@ class Influence:
             flat = _flat(q)
             damping, factor = self._fitted["damping"][name], self._fitted["factors"][name]
             if self.hessian == "raw":
-                out[name] = torch.cholesky_solve(flat.T, factor).T
+                pre = torch.cholesky_solve(flat.T, factor).T
             else:
-                out[name] = woodbury_apply(flat, *factor, damping)
-        return out
+                pre = woodbury_apply(flat, *factor, damping)
+            out[name] = pre.reshape(q.shape)
+        if self.query_rank:
+            self.info = {**self.info, "query_rank": self.query_rank}
+        return lowrank_queries(out, self.query_rank)
 
     def score_block(self, state: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> torch.Tensor:
         total = None
         for name, pre in state.items():
-            s = inner(pre.reshape(len(pre), *grads[name].shape[1:]), _double(grads[name]), self.route)
+            s = inner(pre, _double(grads[name]), self.route)
             total = s if total is None else total + s
         return total
