@@ -72,3 +72,35 @@ def test_lds_runs():
     for key in ("reliability", "lds_graddot", "lds_tracin", "lds_influence_raw", "lds_influence_lorif",
                 "lds_graddot_exact", "lds_tracin_exact", "lds_influence_lorif_exact"):
         assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
+
+
+def test_store_query_runs(tmp_path):
+    res = _last_json("store_query.py", "--n", "1500", "--batch", "512", "--cs", "1,4", "--rounds", "1",
+                     "--block-size", "64", "--query-rank", "8", "--work-dir", str(tmp_path))
+    assert res["benchmark"] == "store_query" and res["n"] == 1500 and res["n_small"] == 150
+    assert res["recommended_c"] in (1, 4) and res["query_speedup_basis"] in ("cold", "warm")
+    assert res["size_ratio"] > 1 and res["query_speedup"] > 0 and 0 < res["spearman"] <= 1
+    per = res["per_store"]
+    assert per["c1"]["size_ratio"] > per["c4"]["size_ratio"] > 3       # 64x64 floats vs c·(64+64)
+    assert per["c4"]["spearman"] > per["c1"]["spearman"] and per["dense"]["spearman"] == 1.0
+    assert res["factor_check_max_rel_err"] < 1e-3 and res["peak_mb"] > 0
+    assert not any(tmp_path.iterdir())                                   # stores removed
+
+
+def test_routing_runs():
+    res = _last_json("routing.py", "--tokens", "1,8,64", "--ranks", "1,4", "--query-q", "1,16", "--rounds", "1",
+                     "--min-sample-s", "0.001", "--capture-batch", "4", "--ghost-n", "32")
+    assert res["benchmark"] == "routing" and set(res["per_op"]) == {"capture", "ghost", "query"}
+    assert res["max_auto_over_best"] > 0 and res["worst_case"]["op"] in res["per_op"]
+    assert len(res["rows"]) == 3 + 3 + 4
+    auto = {(r["op"], r["point"]): r["auto"] for r in res["rows"]}
+    assert auto[("capture", "T=1")] == "tokens" and auto[("ghost", "T=64")] == "materialized"
+
+
+def test_fidelity_bytes_runs():
+    res = _last_json("fidelity_bytes.py", "--d-model", "32", "--steps", "3", "--seq", "16", "--num-train", "8",
+                     "--num-queries", "2", "--ks", "8", "--ranks", "0,2", "--kinds", "gaussian,eigen@init",
+                     "--dtypes", "float32,bfloat16")
+    assert res["benchmark"] == "fidelity_bytes" and res["ref_bytes"] > 0
+    best = res["recommended"]
+    assert best is not None and best["bytes_ratio"] <= 1 / 32 + 1e-9 and -1 <= best["spearman"] <= 1
