@@ -101,6 +101,8 @@ class Recording:
             part[name] = grad
         elif isinstance(old, tuple) and isinstance(grad, tuple):   # the layer ran again: more tokens
             part[name] = (torch.cat([old[0], grad[0]], dim=1), torch.cat([old[1], grad[1]], dim=1))
+        elif not isinstance(old, tuple) and not isinstance(grad, tuple):
+            old += grad                                              # dense capture: in place, as before
         else:
             part[name] = _as_dense(old) + _as_dense(grad)
 
