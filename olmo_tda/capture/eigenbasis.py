@@ -44,7 +44,6 @@ import tempfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 import torch
@@ -368,9 +367,9 @@ class _CovarianceHooks:
 def _select(model: nn.Module, config: CaptureConfig) -> tuple[dict[str, nn.Linear], dict[str, bool]]:
     """The Linear layers (canonical names) a ``GradientCapture`` with ``config`` captures, and which of
     them capture a bias column: exactly the capture's own selection rule."""
-    from .hooks import GradientCapture
+    from .hooks import select_linears
 
-    modules = GradientCapture._select(SimpleNamespace(config=config), model)
+    modules = select_linears(model, config)
     return modules, {n: config.include_bias and m.bias is not None for n, m in modules.items()}
 
 

@@ -47,7 +47,7 @@ from ..store.record import GradientRecord, LowRank, cat_rows
 from .factors import factor_route, lowrank_factors, truncate_dense
 from .projection import Projector, make_projector, specs_hash
 
-__all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name"]
+__all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name", "select_linears"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,30 @@ def _as_ids(ids: Any) -> np.ndarray:
     return arr.astype(np.int64).reshape(-1)
 
 
+def select_linears(model: nn.Module, config: CaptureConfig) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` layers ``config`` selects (``modules`` minus ``exclude``), by canonical name:
+    what :class:`GradientCapture` hooks and :mod:`.eigenbasis` estimates covariances for."""
+    linears: dict[str, nn.Linear] = {}
+    raw_names: dict[str, str] = {}
+    for raw, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        name = canonical_name(raw)
+        if name in linears and linears[name] is not module:
+            raise CaptureError(f"Linear layers {raw_names[name]!r} and {raw!r} have the same canonical name "
+                               f"{name!r} once wrapper segments are removed; projector seeds derive from "
+                               "names, so rename one of the modules")
+        linears[name], raw_names[name] = module, raw
+    chosen = {n: m for n, m in linears.items()
+              if any(fnmatch.fnmatchcase(n, p) for p in config.modules)
+              and not any(fnmatch.fnmatchcase(n, p) for p in config.exclude)}
+    if not chosen:
+        raise CaptureError(
+            f"capture.modules={config.modules} exclude={config.exclude} selects no nn.Linear; "
+            f"the model's Linear layers are: {sorted(linears)[:20]}{' ...' if len(linears) > 20 else ''}")
+    return chosen
+
+
 class GradientCapture:
     """Owns the hooks on a model's selected ``nn.Linear`` layers and turns backward passes into
     per-example projected gradients.
@@ -227,7 +251,7 @@ class GradientCapture:
         self._warned_silent: set[str] = set()
         self._projector_hash: str | None = None
         self._layer_ranks: dict[str, int] | None = None
-        self.modules: dict[str, nn.Linear] = self._select(model) if enabled else {}
+        self.modules: dict[str, nn.Linear] = select_linears(model, self.config) if enabled else {}
         self._with_bias = {n: self.config.include_bias and m.bias is not None for n, m in self.modules.items()}
         k = self.config.proj_dims
         self.projectors: dict[str, Projector] = {
@@ -240,26 +264,6 @@ class GradientCapture:
 
     # -- selection and hooks -------------------------------------------------------------------
 
-    def _select(self, model: nn.Module) -> dict[str, nn.Linear]:
-        linears: dict[str, nn.Linear] = {}
-        raw_names: dict[str, str] = {}
-        for raw, module in model.named_modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            name = canonical_name(raw)
-            if name in linears and linears[name] is not module:
-                raise CaptureError(f"Linear layers {raw_names[name]!r} and {raw!r} have the same canonical name "
-                                   f"{name!r} once wrapper segments are removed; projector seeds derive from "
-                                   "names, so rename one of the modules")
-            linears[name], raw_names[name] = module, raw
-        chosen = {n: m for n, m in linears.items()
-                  if any(fnmatch.fnmatchcase(n, p) for p in self.config.modules)
-                  and not any(fnmatch.fnmatchcase(n, p) for p in self.config.exclude)}
-        if not chosen:
-            raise CaptureError(
-                f"capture.modules={self.config.modules} exclude={self.config.exclude} selects no nn.Linear; "
-                f"the model's Linear layers are: {sorted(linears)[:20]}{' ...' if len(linears) > 20 else ''}")
-        return chosen
 
     def _attach(self) -> None:
         try:
