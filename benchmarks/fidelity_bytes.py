@@ -40,7 +40,7 @@ from scipy.stats import pearsonr, spearmanr
 from olmo_tda import CaptureConfig, GradientCapture
 from olmo_tda.capture.eigenbasis import estimate_eigenbasis
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
-from olmo_tda.store.record import LowRank
+from olmo_tda.store.record import LowRank, cat_rows
 
 
 def make_model(d_model: int, seq: int, seed: int = 0):
@@ -88,12 +88,7 @@ def capture(model, config: CaptureConfig, data: torch.Tensor, stored: bool):
     sizes = {n: (r * (ko + ki) if r else ko * ki) for (n, (ko, ki)), r in
              zip(cap.layer_shapes.items(), cap.layer_ranks.values())}
     cap.remove()
-    out = {}
-    for name in parts[0]:
-        xs = [p[name] for p in parts]
-        out[name] = (LowRank(torch.cat([x.A for x in xs]), torch.cat([x.B for x in xs]))
-                     if isinstance(xs[0], LowRank) else torch.cat(xs))
-    return out, floats, sizes
+    return {name: cat_rows([p[name] for p in parts]) for name in parts[0]}, floats, sizes
 
 
 def rounded(x, dtype: str):
