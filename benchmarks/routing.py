@@ -9,7 +9,7 @@ Three routed operations, each timed on every route it has, with the library as i
   T tokens (k=64): ``"factorized"`` (ghost: Σ_ts (a·a')(g·g')) vs ``"materialized"`` (form Ĝ, GEMM).
 - ``query``: ``inner(dense queries [Q, 64, 64], LowRank [N=1024, 64, 64, c])`` (one block of
   ``attribute``) for Q ∈ {1, 4, 16, 64} and c ∈ {1, 2, 4, 8}: factorized ``sum(A ∘ (qB))`` vs
-  materialized ``A Bᵀ`` then GEMM.
+  materialized (``A Bᵀ`` one cache-sized tile of rows at a time, each followed by a GEMM).
 
 Per point, the routes (and ``auto``, which calls the library's router) are timed in interleaved
 rounds (order rotated every round), each sample repeating the call for at least --min-sample-s,
@@ -20,8 +20,8 @@ intermediates exceed --max-gib) is not run; it is counted as slower (the router 
 only picks the smaller count).
 
 The "what if" lines replay the measured medians under other settings of the rule
-(``factors._SVD_FLOPS`` for capture; a weight on the factorized side's FLOPs for ghost/query; for
-query also "factorized iff Q·c < θ") to show which setting would fix a wrong choice; the headline
+(``factors._SVD_FLOPS`` for capture; a weight on the factorized side's FLOPs for ghost; the two
+measured weights of ``ops.inner_route`` for query) to show which setting would fix a wrong choice; the headline
 always uses the library unchanged.
 
     python benchmarks/routing.py                 # table, then one JSON line
@@ -42,6 +42,7 @@ import torch
 
 from olmo_tda.capture import factors
 from olmo_tda.capture.factors import cross_gram, factor_route, lowrank_factors, route, truncate_dense
+from olmo_tda import ops
 from olmo_tda.ops import inner, inner_route
 from olmo_tda.store.record import LowRank
 
@@ -184,16 +185,24 @@ def what_if_capture(rows: list[dict], args) -> list[dict]:
     return out
 
 
-def what_if_threshold(rows: list[dict]) -> list[dict]:
-    """Dense queries vs factors: route factorized iff ``Q·c < θ``, i.e. its FLOPs (Q·c·N·D) below θ
-    times the N·D elements materializing writes (the library's rule is ``Q·c < Q + c``)."""
+def what_if_query_weights(rows: list[dict]) -> list[dict]:
+    """Dense queries vs factors: the library's rule (factorized ``Q·c`` vs materialized
+    ``a + b·Q + m·c``) replayed at other settings of ``ops._MATERIALIZE`` (a) and
+    ``ops._GEMM_PER_QUERY`` (b); m stays."""
     out = []
-    for theta in (2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16):
-        def pick(r, theta=theta):
-            q, c = (int(part.split("=")[1]) for part in r["point"].split(","))
-            return "factorized" if q * c < theta else "materialized"
-        worst, where = replay(rows, pick)
-        out.append({"theta": theta, "max_over_best": worst, "at": where})
+    saved = ops._MATERIALIZE, ops._GEMM_PER_QUERY
+    try:
+        for a in (4.0, 5.0, 6.0, 6.5, 7.0, 8.0, 10.0):
+            for b in (0.25, 0.5, 0.75):
+                ops._MATERIALIZE, ops._GEMM_PER_QUERY = a, b
+
+                def pick(r):
+                    q, c = (int(part.split("=")[1]) for part in r["point"].split(","))
+                    return inner_route(q, 1024, K, K, 0, c)
+                worst, where = replay(rows, pick)
+                out.append({"a,b": f"{a},{b}", "max_over_best": worst, "at": where})
+    finally:
+        ops._MATERIALIZE, ops._GEMM_PER_QUERY = saved
     return out
 
 
@@ -272,8 +281,7 @@ def main(argv=None) -> dict:
     if "ghost" in ops:
         what_if["ghost"] = what_if_weight([r for r in rows if r["op"] == "ghost"])
     if "query" in ops:
-        what_if["query"] = what_if_weight([r for r in rows if r["op"] == "query"])
-        what_if["query_threshold"] = what_if_threshold([r for r in rows if r["op"] == "query"])
+        what_if["query"] = what_if_query_weights([r for r in rows if r["op"] == "query"])
     for op, lines in what_if.items():
         key = next(k for k in lines[0] if k not in ("max_over_best", "at", "dense_from_T"))
         print(f"what if ({op}, replaying the measured medians): " + "; ".join(

@@ -7,18 +7,17 @@ A layer's per-example gradients are either dense ``[N, Ko, Ki]`` tensors or
 - ``"factorized"``: never form a Ko×Ki matrix. Dense·factors: ``sum(A ∘ (q B))``
   (cost Q·N·c·Ko·Ki); factors·factors: ``sum((A₁ᵀA₂) ∘ (B₁ᵀB₂))`` (Q·N·c₁·c₂·(Ko+Ki));
 - ``"materialized"``: form the dense rows of each factor side (c·Ko·Ki per row), then one GEMM
-  (Q·N·Ko·Ki);
+  (Q·N·Ko·Ki); against dense queries the rows are formed one cache-sized tile at a time
+  (:func:`~olmo_tda.capture.factors.dot_dense_tiles`), so they never travel to memory;
 
-by the smaller FLOP count, or as forced with ``route=``. Dense·factors needs a measured correction:
-its two routes cost about the same FLOPs whenever Q·c is near Q + c, but the factorized GEMM has
-an inner dimension of only Ki (about half as efficient per FLOP) plus a reduction over c, while
-materializing is memory-bound (it writes Ko·Ki floats per row) and then runs one well-shaped GEMM.
-:func:`inner_route` uses the cost per row that benchmarks/routing.py measured (k=64, 2-core CPU),
-in units of one factorized Ko·Ki multiply-add: factorized ``Q·c + 1.75·c``, materialized
-``21.5 + 5.5·log2(Q) + 0.5·c`` (a GEMM of few query rows is far from peak, so its cost grows
-slower than Q). Other machines have other constants; ``route=`` overrides the choice. Every route gives the same numbers up to
-rounding (tests/test_ops.py). The ghost route for raw token factors is
-:func:`olmo_tda.capture.factors.cross_gram`, the same rule with c = tokens.
+by the smaller cost, or as forced with ``route=``. Dense·factors costs per row are measured, in
+units of the factorized route's Ko·Ki multiply-adds (benchmarks/routing.py, k=64, 2-core CPU):
+factorized ``Q·c``; materialized ``6.5 + 0.5·Q + 0.1·c`` — forming a tile is a fixed cost per row
+of about 6.5 units, and its GEMM (inner dimension Ko·Ki) runs twice as fast per multiply-add as
+the factorized one (inner dimension Ki). So few queries against small ranks go factorized
+(Q·c ≤ 4 always; Q=4, c=2 too), everything larger materialized. Other machines have other constants; ``route=`` overrides the choice. Every route gives
+the same numbers up to rounding (tests/test_lorif_store.py). The ghost route for raw token
+factors is :func:`olmo_tda.capture.factors.cross_gram`, the same rule with c = tokens.
 
 Example::
 
@@ -28,11 +27,10 @@ Example::
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from .capture.factors import dot_dense_factor, dot_factor_factor, truncate_dense
+from .capture.factors import dot_dense_factor, dot_dense_tiles, dot_factor_factor, truncate_dense
 from .store.record import LowRank
 
 __all__ = ["ROUTES", "flat", "sq_norms", "inner_route", "inner", "lowrank_queries"]
@@ -41,11 +39,11 @@ ROUTES = ("auto", "factorized", "materialized")
 
 Rep = "torch.Tensor | LowRank"
 
-# dense·factors costs per row, in units of one factorized Ko·Ki multiply-add (benchmarks/routing.py)
-_FACTOR_REDUCE = 1.75         # per factor column: the A-weighted reduction of the factorized route
-_MATERIALIZE = 21.5           # writing a Ko·Ki row (memory-bound)
-_MATERIALIZE_PER_C = 0.5      # the c small matmuls that form it
-_DENSE_GEMM = 5.5             # × log2(Q): the GEMM of Q dense queries against materialized rows
+# dense·factors, materialized route: cost per row in units of one factorized Ko·Ki multiply-add
+# (benchmarks/routing.py; the module docstring)
+_MATERIALIZE = 6.5            # forming the row in a cache-resident tile
+_GEMM_PER_QUERY = 0.5         # the GEMM over Ko·Ki, per query
+_MATERIALIZE_PER_C = 0.1      # per factor column of the tile's bmm
 
 
 def flat(x: Rep) -> torch.Tensor:
@@ -72,10 +70,10 @@ def inner_route(num_q: int, num_n: int, k_out: int, k_in: int, rank_q: int, rank
         return "materialized"
     if rank_q and rank_n:
         factorized = num_q * num_n * rank_q * rank_n * (k_out + k_in)
-    else:                                 # measured costs per row (see the module docstring)
+    else:                                 # measured per-row costs (see the module docstring)
         num_dense, c = (num_q if rank_n else num_n), max(rank_q, rank_n)
-        factorized_row = num_dense * c + _FACTOR_REDUCE * c
-        materialized_row = _MATERIALIZE + _DENSE_GEMM * math.log2(max(num_dense, 1)) + _MATERIALIZE_PER_C * c
+        factorized_row = num_dense * c
+        materialized_row = _MATERIALIZE + _GEMM_PER_QUERY * num_dense + _MATERIALIZE_PER_C * c
         return "factorized" if factorized_row < materialized_row else "materialized"
     materialized = (num_q * rank_q + num_n * rank_n) * dense_width + num_q * num_n * dense_width
     return "factorized" if factorized < materialized else "materialized"
@@ -97,6 +95,8 @@ def inner(x: Rep, y: Rep, route: str = "auto") -> torch.Tensor:
             return dot_dense_factor(x, y.A, y.B)
         if isinstance(x, LowRank):
             return dot_dense_factor(y, x.A, x.B).T
+    elif isinstance(x, LowRank) != isinstance(y, LowRank):      # materialize the factor side tile by tile
+        return dot_dense_tiles(x, y.A, y.B) if isinstance(y, LowRank) else dot_dense_tiles(y, x.A, x.B).T
     return flat(x) @ flat(y).T
 
 

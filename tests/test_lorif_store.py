@@ -116,10 +116,32 @@ def test_every_inner_route_equals_the_dense_product():
         inner(dense[:, :5], lr)
 
 
+@pytest.mark.parametrize("rank", [1, 3])
+def test_tiled_materialization_crosses_tile_boundaries(monkeypatch, rank):
+    # a tile of 3 rows over 10 rows: the last tile is partial; rank 1 takes the broadcast path
+    from olmo_tda.capture import factors
+    monkeypatch.setattr(factors, "_TILE_BYTES", 3 * 5 * 4 * 8)
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(4, 5, 4, dtype=torch.float64, generator=gen)
+    A = torch.randn(10, 5, rank, dtype=torch.float64, generator=gen)
+    B = torch.randn(10, 4, rank, dtype=torch.float64, generator=gen)
+    want = torch.einsum("qoi,noc,nic->qn", q, A, B)
+    assert rel_err(factors.dot_dense_tiles(q, A, B), want) < 1e-12
+    assert rel_err(inner(LowRank(A, B), q, "materialized"), want.T) < 1e-12
+    # bf16 factors against fp32 queries compute in fp32
+    got = factors.dot_dense_tiles(q.float(), A.bfloat16(), B.bfloat16())
+    assert got.dtype == torch.float32
+    assert rel_err(got.double(), torch.einsum("qoi,noc,nic->qn", q, A.bfloat16().double(), B.bfloat16().double())) < 1e-5
+
+
 def test_inner_route_is_the_flop_rule():
-    # dense queries vs factors (measured costs): few queries or rank 1 → factorized; many → materialized
-    assert inner_route(1, 1000, 64, 64, 0, 1) == "factorized"
-    assert inner_route(16, 1000, 64, 64, 0, 1) == "factorized"
+    # dense queries vs factors (measured per-row costs Q·c vs 6.5 + 0.5·Q + 0.1·c): few queries
+    # against small ranks → factorized; more → materialized tile by tile
+    assert inner_route(1, 1000, 64, 64, 0, 4) == "factorized"
+    assert inner_route(4, 1000, 64, 64, 0, 2) == "factorized"
+    assert inner_route(1, 1000, 64, 64, 0, 8) == "materialized"
+    assert inner_route(4, 1000, 64, 64, 0, 4) == "materialized"
+    assert inner_route(16, 1000, 64, 64, 0, 1) == "materialized"
     assert inner_route(64, 1000, 64, 64, 0, 1) == "materialized"
     assert inner_route(16, 1000, 64, 64, 0, 8) == "materialized"
     assert inner_route(1000, 1, 64, 64, 1, 0) == inner_route(1, 1000, 64, 64, 0, 1)    # symmetric

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["lowrank_factors", "truncate_dense", "factor_route", "dot_dense_dense", "dot_dense_factor",
-           "dot_factor_factor", "dot_ghost", "route", "cross_gram"]
+           "materialize", "dot_dense_tiles", "dot_factor_factor", "dot_ghost", "route", "cross_gram"]
 
 # Rough FLOP constants of LAPACK's Householder QR and thin SVD on an m×n matrix (p = min(m, n)):
 # QR ≈ 2·m·n·p, SVD with vectors ≈ SVD_FLOPS·m·n·p. Only the ratio of the two routes matters:
@@ -114,6 +114,37 @@ def dot_dense_factor(q: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch
     qb = q.reshape(num_q * k_out, k_in) @ B.permute(1, 0, 2).reshape(k_in, num_n * c)     # [Q·Ko, N·c]
     prod = qb.view(num_q, k_out, num_n * c) * A.permute(1, 0, 2).reshape(1, k_out, num_n * c)
     return prod.sum(dim=1).view(num_q, num_n, c).sum(dim=2)
+
+
+def materialize(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, Ko, Ki] = A Bᵀ`` (into ``out`` when given). Rank 1 is a broadcast outer product: a
+    batched matmul with an inner dimension of 1 takes a path several times slower on CPU."""
+    if A.shape[2] == 1:
+        return torch.mul(A, B.transpose(1, 2), out=out)
+    return torch.bmm(A, B.transpose(1, 2), out=out)
+
+
+# Rows materialized at a time by dot_dense_tiles: a tile of ~4 MiB stays in cache between the write
+# and the GEMM that reads it (whole blocks of Ko·Ki rows are memory-bound; benchmarks/routing.py).
+_TILE_BYTES = 4 << 20
+
+
+def dot_dense_tiles(q: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]`` of dense ``[Q, Ko, Ki]`` · factors, materializing ``A Bᵀ`` one cache-sized tile of
+    rows at a time into a reused buffer, each tile followed by one GEMM against the queries
+    (c·Ko·Ki + Q·Ko·Ki multiply-adds per row, against Q·c·Ko·Ki for :func:`dot_dense_factor`)."""
+    num_q, k_out, k_in = q.shape
+    num_n = A.shape[0]
+    dtype = torch.promote_types(q.dtype, A.dtype)
+    tile = max(1, min(num_n, _TILE_BYTES // (k_out * k_in * dtype.itemsize)))
+    q_t = q.reshape(num_q, k_out * k_in).to(dtype).T
+    buf = torch.empty(tile, k_out, k_in, dtype=dtype, device=A.device)
+    out = torch.empty(num_n, num_q, dtype=dtype, device=A.device)
+    for start in range(0, num_n, tile):
+        stop = min(num_n, start + tile)
+        rows = materialize(A[start:stop].to(dtype), B[start:stop].to(dtype), out=buf[:stop - start])
+        torch.mm(rows.view(stop - start, k_out * k_in), q_t, out=out[start:stop])
+    return out.T
 
 
 def dot_factor_factor(A1: torch.Tensor, B1: torch.Tensor, A2: torch.Tensor, B2: torch.Tensor) -> torch.Tensor:

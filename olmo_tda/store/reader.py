@@ -229,12 +229,13 @@ class GradientStore:
                 if len(rows) == 0:
                     continue
                 lr, loss_scale = f["lr"][:], f["loss_scale"][:]
+                datasets = [(name, f[f"grads/L{i:04d}"]) for name, i in indices]    # looked up once per shard
                 pos = 0
                 while pos < len(rows):
                     take = rows[pos:pos + block_size - n_pending]
                     pos += len(take)
-                    grads = {name: self._wrap(name, decode_grads(_read_rows(f[f"grads/L{i:04d}"], take), self.dtype))
-                             for name, i in indices}
+                    grads = {name: self._wrap(name, decode_grads(_read_rows(dataset, take), self.dtype))
+                             for name, dataset in datasets}
                     pending.append(GradientBlock(ids=shard_ids[take], steps=shard_steps[take], lr=lr[take],
                                                  loss_scale=loss_scale[take], grads=grads))
                     n_pending += len(take)

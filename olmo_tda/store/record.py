@@ -44,7 +44,8 @@ class LowRank:
 
     def dense(self) -> torch.Tensor:
         """``[N, Ko, Ki]`` = ``A Bᵀ`` (materialized; memory N·Ko·Ki)."""
-        return self.A @ self.B.transpose(1, 2)
+        from ..capture.factors import materialize
+        return materialize(self.A, self.B)
 
     def packed(self) -> torch.Tensor:
         """``[N, Ko + Ki, c]``: the on-disk row layout."""
