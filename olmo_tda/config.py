@@ -38,6 +38,9 @@ __all__ = [
     "TrajectorySchedule",
     "TrajectoryRetention",
     "TrajectoryConfig",
+    "SelectionPolicy",
+    "SelectionMode",
+    "SelectionConfig",
     "TDAConfig",
     "parse_config",
     "apply_overrides",
@@ -177,6 +180,9 @@ class CaptureConfig:
 class StoreConfig:
     """Where and how captured gradients are written."""
 
+    enabled: bool = True
+    """Capture every training example into the store. False: a run that only selects data (or
+    only keeps trajectory checkpoints) — no capture hooks on the training step, no store."""
     path: str | None = None
     """Store directory. In a training run it defaults to ``<save_folder>/tda/store``."""
     dtype: StoreDType = StoreDType.FLOAT32
@@ -271,6 +277,87 @@ class TrajectoryConfig:
                    f"retention {self.retention.value!r} needs keep >= 2 checkpoints, got {self.keep}")
 
 
+class SelectionPolicy(str, enum.Enum):
+    """How the examples of an upcoming window are scored and ordered (highest first)."""
+
+    GREATS = "greats"
+    """Greedy per global batch: ``η⟨g_i, ḡ_target⟩ − η² Σ_{j picked in the batch} ⟨g_i, g_j⟩``
+    (η = lr / tokens per global batch; the redundancy term penalizes near-duplicates)."""
+    ALIGNMENT = "alignment"
+    """``⟨g_i, ḡ_target⟩``: first-order decrease of the target loss, no redundancy term."""
+    LOSS = "loss"
+    """The example's mean token loss at the current weights (forward only)."""
+    GRADNORM = "gradnorm"
+    """The norm of the example's (projected) gradient."""
+    RANDOM = "random"
+    """A seeded random order of the window (the control arm)."""
+
+
+class SelectionMode(str, enum.Enum):
+    """What a round does with the ordered window."""
+
+    REORDER = "reorder"
+    """The window's positions get its examples in score order: every example is still trained on
+    exactly once per epoch."""
+    FILTER = "filter"
+    """The top ``keep_fraction`` stay (in score order); the rest move to the end of the epoch's
+    order (later, never deleted)."""
+
+
+@dataclass(kw_only=True)
+class SelectionConfig:
+    """Online data selection: every ``every_n`` steps, score the next ``window`` examples of the
+    data order at the current weights and rewrite that upcoming part of the order."""
+
+    enabled: bool = False
+    every_n: int = 50
+    """Optimizer steps between rounds (a round runs after step every_n, 2·every_n, ...)."""
+    window: int = 512
+    """Upcoming examples (global, over all ranks) rescored per round; positions already consumed
+    are never touched."""
+    policy: SelectionPolicy = SelectionPolicy.GREATS
+    """greats | alignment | loss | gradnorm | random."""
+    mode: SelectionMode = SelectionMode.REORDER
+    """reorder | filter."""
+    keep_fraction: float = 0.5
+    """``filter``: the fraction of the window that stays in place."""
+    target: str | None = None
+    """The target data: a text file (one example per line), a JSONL file with a ``text`` field, or
+    a token file (``.npy`` array [n, seq_len] of ids, or OLMo's raw memmap of ``memmap_dtype`` ids
+    chunked to the model's sequence length). Needed by greats and alignment."""
+    target_examples: int = 64
+    """How many target examples form the target gradient (the first n of ``target``)."""
+    exclude_modules: list[str] = field(default_factory=list)
+    """fnmatch patterns of Linear layers left out of the score (e.g. ``"*ff_out"`` for the output
+    head); they are still trained."""
+    proj_dim: int = 32
+    """Projection width per side of the gradients a round compares (0 = exact)."""
+    score_tokens: int = 0
+    """Score each example on its first n tokens only (0 = all): a cheaper, approximate round."""
+    micro_batch: int = 0
+    """Examples per forward/backward of a round (0 = the run's device micro-batch)."""
+    seed: int = 0
+    """Seeds the projectors and the random policy (varied per round)."""
+
+    def validate(self, path: str = "selection") -> None:
+        _check_types(self, path)
+        _check(self.every_n >= 1, f"{path}.every_n", f"must be >= 1, got {self.every_n}")
+        _check(self.window >= 1, f"{path}.window", f"must be >= 1, got {self.window}")
+        _check(0.0 < self.keep_fraction <= 1.0, f"{path}.keep_fraction", f"must be in (0, 1], got {self.keep_fraction}")
+        _check(self.target_examples >= 1, f"{path}.target_examples", f"must be >= 1, got {self.target_examples}")
+        _check(self.proj_dim >= 0, f"{path}.proj_dim", f"must be >= 0 (0 = exact), got {self.proj_dim}")
+        _check(self.score_tokens >= 0, f"{path}.score_tokens", f"must be >= 0 (0 = all), got {self.score_tokens}")
+        _check(self.score_tokens != 1, f"{path}.score_tokens", "needs at least 2 tokens (one next-token loss)")
+        _check(self.micro_batch >= 0, f"{path}.micro_batch", f"must be >= 0, got {self.micro_batch}")
+        _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
+        if self.enabled and self.policy in (SelectionPolicy.GREATS, SelectionPolicy.ALIGNMENT):
+            _check(bool(self.target), f"{path}.target",
+                   f"policy {self.policy.value!r} scores against target data: set selection.target to a text, "
+                   "JSONL or token file")
+        if self.target and self.enabled:
+            _check(Path(self.target).is_file(), f"{path}.target", f"no such file: {self.target}")
+
+
 @dataclass(kw_only=True)
 class TDAConfig:
     """The whole ``tda:`` section. ``enabled: true`` is the one flag that switches TDA on."""
@@ -281,6 +368,7 @@ class TDAConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
 
     def validate(self, path: str = "tda") -> None:
         _check_types(self, path)
@@ -288,6 +376,7 @@ class TDAConfig:
         self.store.validate(f"{path}.store")
         self.batch.validate(f"{path}.batch")
         self.trajectory.validate(f"{path}.trajectory")
+        self.selection.validate(f"{path}.selection")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, path: str = "tda") -> "TDAConfig":

@@ -59,7 +59,7 @@ try:
 except ImportError as e:  # pragma: no cover - ai2-olmo is a hard dependency, but say so clearly
     raise ImportError("olmo_tda.integrations.olmo needs ai2-olmo==0.6.0 (pip install ai2-olmo==0.6.0)") from e
 
-__all__ = ["TDATrainer", "load_configs", "basis_path", "TDA_YAML", "BASIS_FILE"]
+__all__ = ["TDATrainer", "RestartableLoader", "load_configs", "basis_path", "TDA_YAML", "BASIS_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -136,23 +136,31 @@ class TDATrainer(Trainer):
         self._record = None
         self._rows_captured = 0
         self._metrics_file = None
+        self.selector = None
         if not self.tda.enabled:
             return
-        self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
-        store_path = Path(self.tda.store.path or Path(self.cfg.save_folder) / "tda" / "store")
-        meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
-                                                          "data_paths": list(self.cfg.data.paths or [])}}
-        self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
-        itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
-        self._row_bytes = itemsize * self.capture.floats_per_example
+        tda_dir = Path(self.cfg.save_folder) / "tda"
+        if self.tda.store.enabled:
+            self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
+            store_path = Path(self.tda.store.path or tda_dir / "store")
+            meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
+                                                              "data_paths": list(self.cfg.data.paths or [])}}
+            self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
+            itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
+            self._row_bytes = itemsize * self.capture.floats_per_example
         if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
-            self._metrics_file = open(store_path.parent / "metrics.jsonl", "a", buffering=1)
+            folder = Path(self.store.path).parent if self.store is not None else tda_dir
+            folder.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(folder / "metrics.jsonl", "a", buffering=1)
+        if self.tda.selection.enabled:
+            self._start_selection(tda_dir / "selection")
         if self.tda.trajectory.enabled:
             from ..training.trajectory import Trajectory
 
             self.trajectory = Trajectory(self.tda.trajectory,
                                          self.tda.trajectory.path or Path(self.cfg.save_folder) / "tda" / "trajectory",
-                                         projector_hash=self.capture.projector_hash, rank=_rank())
+                                         projector_hash=self.capture.projector_hash if self.capture else None,
+                                         rank=_rank())
 
     def _with_basis(self, capture: CaptureConfig) -> CaptureConfig:
         """``capture`` with ``basis`` set to the run's eigenbasis file, estimated first if missing."""
@@ -194,6 +202,117 @@ class TDATrainer(Trainer):
             ce_loss, _, _ = self.model_forward(micro_batch, loss_reduction="sum")        # runs self.dist_model
         return ce_loss
 
+    # -- online selection ------------------------------------------------------------------------
+
+    def _start_selection(self, folder: Path) -> None:
+        """The selector, and a loader that can restart at the first unconsumed position once a
+        round has rewritten the order (OLMo's iterator reads the order file only when it starts)."""
+        from ..training.selector import OnlineSelector, load_target
+
+        data = self.cfg.data
+        if data.num_workers > 0 and data.persistent_workers:
+            raise ConfigError("tda.selection needs data.persistent_workers: false (persistent workers keep "
+                              "the old data order after a round rewrites it)")
+        if data.num_workers == 0 and self.dataset.num_threads is None:
+            # OLMo's in-process prefetch threads cannot be stopped when the iterator restarts
+            self.dataset.num_threads = 0
+        sel = self.tda.selection
+        target = None
+        if sel.target:
+            target = load_target(sel.target, self.cfg.model.max_sequence_length, self._encode,
+                                 num=sel.target_examples, eos_token_id=self.cfg.model.eos_token_id,
+                                 memmap_dtype=np.dtype(getattr(data, "effective_memmap_dtype", np.uint16)))
+        ddp = hasattr(self.dist_model, "module") and not isinstance(self.dist_model, _fsdp_class())
+        self.selector = OnlineSelector(
+            sel, self.dist_model.module if ddp else self.dist_model, forward=self._logits, log_folder=folder,
+            target_tokens=target, micro_batch=self.cfg.device_train_microbatch_size, device=self.device,
+            pause=(self.capture,) if self.capture is not None else ())
+        self.train_loader = RestartableLoader(self.train_loader)
+
+    def _encode(self, text: str) -> list[int]:
+        from ..demo.data import BYTE_TOKENIZER_ID
+
+        if self.cfg.tokenizer.identifier == BYTE_TOKENIZER_ID:
+            from ..demo.corpus import ByteTokenizer
+            return ByteTokenizer().encode(text)
+        if not hasattr(self, "_tokenizer"):
+            from olmo.tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_train_config(self.cfg)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", enabled=self.device.type == "cuda", dtype=self.cfg.autocast_precision):
+            return model(input_ids=input_ids).logits
+
+    def _example_tokens(self, ids: np.ndarray) -> torch.Tensor:
+        return torch.stack([torch.as_tensor(self.dataset.dataset[int(i)]["input_ids"]).long() for i in ids])
+
+    def _sources(self, ids: np.ndarray) -> list[str] | None:
+        inner = self.dataset.dataset
+        offsets, metadata = getattr(inner, "offsets", None), getattr(inner, "_metadata", None)
+        if not offsets or not metadata or len(metadata) != len(offsets):
+            return None
+        starts = np.array([lo for lo, _ in offsets])
+        names = [m.get("label") or Path(str(m.get("path", "?"))).stem for m in metadata]
+        return [names[int(np.searchsorted(starts, i, side="right")) - 1] for i in ids]
+
+    def _selection_round(self, metrics: dict[str, float]) -> None:
+        start = int(self.global_train_examples_seen_this_epoch)
+        order = np.asarray(self.dataset.get_global_indices(), dtype=np.int64)
+        new_order, stats = self.selector.run(
+            step=self.global_step, epoch=int(self.epoch or 0), order=order, start=start, fetch=self._example_tokens,
+            lr=float(self.optim.param_groups[0]["lr"]), batch_size=self.cfg.global_train_batch_size,
+            tokens_per_batch=self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length,
+            sources=self._sources)
+        if new_order is None:
+            return
+        self._write_order(new_order)
+        self.dataset.start_index = start
+        self.train_loader.restart()
+        for key in ("seconds", "examples_rescored", "score_mean", "promoted_mean_score", "demoted_mean_score",
+                    "rank_corr_prev", "mean_loss_window"):
+            if stats.get(key) is not None:
+                metrics[f"tda/selection_{key}"] = float(stats[key])
+        for name, frac in (stats.get("source_frac_front") or {}).items():
+            metrics[f"tda/selection_front_frac/{name}"] = frac
+        import wandb
+
+        if wandb.run is not None and stats["score_hist"]["counts"]:
+            hist = stats["score_hist"]
+            wandb.log({"tda/selection_scores": wandb.Histogram(np_histogram=(hist["counts"], hist["edges"]))},
+                      step=self.global_step)
+
+    def _write_order(self, order: np.ndarray) -> None:
+        """Write the epoch's order into OLMo's ``global_indices.npy`` (one writer per filesystem)."""
+        from olmo.torch_util import get_fs_local_rank
+
+        path = self.dataset.global_indices_file
+        if path is None:
+            raise RuntimeError("tda.selection needs OLMo's data order file (the loader's work_dir)")
+        if get_fs_local_rank() == 0:
+            mm = np.memmap(path, dtype=np.uint32, mode="r+")
+            if len(mm) != len(order):
+                raise RuntimeError(f"{path} holds {len(mm)} positions, the rewritten order {len(order)}")
+            mm[:] = order.astype(np.uint32)
+            mm.flush()
+            del mm
+        if _world_size() > 1:
+            dist.barrier()
+
+    def _reapply_selection(self) -> None:
+        """After a restore: forget rounds past the checkpoint and replay this epoch's rounds onto the
+        order OLMo rebuilt from its seed, so the resumed run trains on the rewritten order."""
+        epoch, step = int(self.epoch or 0), int(self.global_step)
+        dropped = self.selector.log.truncate_after(epoch, step)
+        if _world_size() > 1:
+            dist.barrier()          # rank 0 truncated before anyone replays
+        base = self.dataset._build_global_indices()
+        order, applied = self.selector.log.replay(base, epoch, step)
+        if applied:
+            self._write_order(order)
+        log.info("tda: selection resumed at epoch %d step %d: %d rounds replayed, %d later rounds dropped",
+                 epoch, step, applied, dropped)
+
     # -- the step --------------------------------------------------------------------------------
 
     def train_batch(self, batch: dict[str, Any]):
@@ -229,6 +348,8 @@ class TDATrainer(Trainer):
             metrics["tda/examples_per_s"] = len(batch["index"]) / max(time.perf_counter() - t0, 1e-9)
             metrics["tda/append_ms"] = 1e3 * (time.perf_counter() - t1)
             metrics["tda/bytes_written"] = float(stats.get("rows_written", 0) * self._row_bytes)
+        if self.selector is not None and self.selector.due(self.global_step):
+            self._selection_round(metrics)
         if self._metrics_file is not None:
             self._metrics_file.write(json.dumps({"step": self.global_step, **metrics}) + "\n")
         for callback in self.step_callbacks:
@@ -276,6 +397,8 @@ class TDATrainer(Trainer):
 
     def load_trainer_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_trainer_state_dict(_from_weights_only_safe(state_dict))
+        if self.selector is not None:
+            self._reapply_selection()
         if self.store is None:
             return
         saved = state_dict.get("tda")
@@ -302,6 +425,8 @@ class TDATrainer(Trainer):
         finally:
             if self.capture is not None:
                 self.capture.remove()
+            if self.selector is not None:
+                self.selector.close()
             if self._metrics_file is not None:
                 self._metrics_file.close()
             super().close(exit_code)
@@ -345,3 +470,42 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _fsdp_class():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+class RestartableLoader:
+    """OLMo's train loader, restartable mid-epoch: after :meth:`restart` the next batch comes from a
+    fresh iterator (which rereads the order file and ``dataset.start_index``); the old iterator and
+    whatever it had prefetched are dropped. Everything else is the wrapped loader's."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self._restart = False
+
+    def restart(self) -> None:
+        self._restart = True
+
+    def __iter__(self):
+        self._restart = False
+        it = iter(self.loader)
+        while True:
+            if self._restart:
+                self._restart = False
+                del it
+                it = iter(self.loader)
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)

@@ -1,0 +1,305 @@
+"""A selection round at the current weights: measure the upcoming window and the target through the
+capture engine, order the window by the policy, rewrite the upcoming part of the epoch's order.
+
+Framework-neutral: the integration supplies the model, how to fetch an example's tokens, how to run
+the model on token ids, and where the epoch's order lives; :class:`OnlineSelector` does the rest.
+
+- Measuring never changes training: parameter ``.grad`` are set aside and put back, the model runs in
+  eval mode (no dropout) and restores its mode, the RNG streams are forked; there is no optimizer.
+- With several ranks the window (and the target) is split evenly across ranks (short ranks repeat a
+  row that is then ignored, so every rank runs the same number of forwards — FSDP needs that), the
+  compact gradients are all-gathered, rank 0 orders the window and broadcasts the order: every rank
+  applies the same one, and rank 0 alone writes the log.
+
+Example (a plain torch model and a data order held in memory)::
+
+    selector = OnlineSelector(SelectionConfig(enabled=True, every_n=10, window=64, policy="loss"),
+                              model, forward=lambda m, ids: m(ids), log_folder="run/tda/selection")
+    if selector.due(step):
+        new_order, stats = selector.run(step=step, epoch=0, order=order, start=consumed,
+                                        fetch=lambda ids: tokens[ids], lr=lr, tokens_per_batch=B * T,
+                                        batch_size=B)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..capture import GradientCapture
+from ..config import CaptureConfig, ProjectionType, SelectionConfig, SelectionMode
+from .selection import POLICIES, SelectionLog, order_window, rewrite_order, round_stats
+
+__all__ = ["OnlineSelector", "untouched_training_state", "load_target"]
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+"""``forward(model, input_ids [B, T]) -> logits [B, T, V]``."""
+
+
+def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int]], *, num: int,
+                eos_token_id: int, memmap_dtype: np.dtype = np.uint16) -> torch.Tensor:
+    """``[n <= num, seq_len]`` int64 target rows from ``path``:
+
+    - ``.txt``: one example per line; ``.jsonl``: a ``text`` field per line. Texts are tokenized,
+      joined with EOS and cut into ``seq_len`` rows (the pretraining layout);
+    - ``.npy`` with a header: a 2-D array of ids, rows cut to ``seq_len``;
+    - anything else: OLMo's raw memmap of ``memmap_dtype`` ids, cut into ``seq_len`` rows.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"selection target {path}: no such file")
+    if path.suffix in (".txt", ".jsonl"):
+        stream: list[int] = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    line = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"selection target {path}:{n}: expected a JSON object with a 'text' field") from None
+            stream += list(encode(line)) + [eos_token_id]
+            if len(stream) >= num * seq_len:
+                break
+        rows = np.asarray(stream[:len(stream) // seq_len * seq_len], dtype=np.int64).reshape(-1, seq_len)
+    elif _has_npy_header(path):         # a real .npy (OLMo's memmaps have no header)
+        arr = np.load(path, allow_pickle=False)
+        if arr.ndim != 2:
+            raise ValueError(f"selection target {path}: expected a 2-D array of token ids, got shape {arr.shape}")
+        rows = arr[:, :seq_len]
+    else:
+        flat = np.memmap(path, dtype=memmap_dtype, mode="r")
+        rows = np.asarray(flat[:len(flat) // seq_len * seq_len]).reshape(-1, seq_len)
+    if len(rows) == 0:
+        raise ValueError(f"selection target {path}: fewer than {seq_len} tokens, not one full row")
+    return torch.from_numpy(np.asarray(rows[:num], dtype=np.int64))
+
+
+def _has_npy_header(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(6) == b"\x93NUMPY"
+
+
+@contextlib.contextmanager
+def untouched_training_state(model: nn.Module) -> Iterator[None]:
+    """Run extra forwards/backwards without a trace: ``.grad`` of every parameter set aside (and
+    restored), eval mode (restored), the CPU and CUDA RNG streams forked."""
+    params = list(model.parameters())
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    was_training = model.training
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            model.eval()
+            yield
+    finally:
+        model.train(was_training)
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _my_rows(num: int, rank: int, world: int) -> tuple[np.ndarray, int]:
+    """This rank's contiguous chunk of ``num`` rows padded to ``ceil(num / world)`` with row 0 or its
+    own first row (padding is ignored after the gather), and how many rows are real."""
+    per = math.ceil(num / world)
+    rows = np.arange(rank * per, min((rank + 1) * per, num))
+    pad = np.full(per - len(rows), rows[0] if len(rows) else 0)
+    return np.concatenate([rows, pad]).astype(np.int64), len(rows)
+
+
+class OnlineSelector:
+    """Runs rounds of online data selection (see the module docstring).
+
+    Args:
+        config: the ``tda.selection`` section.
+        model: what the rounds run (an FSDP-wrapped model as is; a DDP model's ``.module``).
+        forward: ``forward(model, input_ids) -> logits``.
+        log_folder: where rounds are persisted (rank 0 writes).
+        target_tokens: ``[n, L]`` ids of the target data (greats / alignment).
+        micro_batch: examples per forward/backward of a round.
+        device: where token rows go.
+        pause: other captures to pause during a round (the run's own per-step capture).
+    """
+
+    def __init__(self, config: SelectionConfig, model: nn.Module, *, forward: Forward, log_folder,
+                 target_tokens: torch.Tensor | None = None, micro_batch: int = 8,
+                 device: torch.device | str = "cpu", pause: tuple[GradientCapture, ...] = ()):
+        config.validate()
+        self.config = config
+        self.model = model
+        self.forward = forward
+        self.device = torch.device(device)
+        self.micro_batch = config.micro_batch or micro_batch
+        self.rank, self.world = _dist()
+        self.log = SelectionLog(log_folder, writer=self.rank == 0)
+        self._pause = pause
+        self._needs = POLICIES[config.policy.value][1]
+        if "target" in self._needs and target_tokens is None:
+            raise ValueError(f"selection policy {config.policy.value!r} needs target tokens")
+        self.target_tokens = target_tokens
+        self.capture = None
+        if "grads" in self._needs:
+            cap = CaptureConfig(proj_dim=config.proj_dim, proj_type=ProjectionType.ORTHOGONAL, seed=config.seed,
+                                exclude=list(config.exclude_modules))
+            self.capture = GradientCapture(model, cap)
+            self.capture.pause()                # silent during training steps; resumed inside a round
+        self._prev_scores: dict[int, float] | None = None
+
+    def due(self, step: int) -> bool:
+        return self.config.enabled and step > 0 and step % self.config.every_n == 0
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+    # -- measuring ---------------------------------------------------------------------------------
+
+    def _truncate(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = self.config.score_tokens
+        return tokens[:, :n] if n and tokens.shape[1] > n else tokens
+
+    def _example_losses(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B]`` summed next-token CE of each row."""
+        logits = self.forward(self.model, input_ids)
+        labels = input_ids[:, 1:]
+        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), reduction="none")
+        return ce.view(labels.shape).sum(dim=1)
+
+    def _measure(self, tokens: torch.Tensor, grads: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(grads [n, D] or None, summed token losses [n])`` of the rows of ``tokens``."""
+        tokens = self._truncate(tokens).to(self.device)
+        rows, losses = [], []
+        for lo in range(0, len(tokens), self.micro_batch):
+            chunk = tokens[lo:lo + self.micro_batch]
+            if not grads:
+                with torch.no_grad():
+                    losses.append(self._example_losses(chunk).detach().float().cpu())
+                continue
+            with self.capture.record(np.arange(lo, lo + len(chunk))) as rec, _outputs_of(self.capture) as outs:
+                per_example = self._example_losses(chunk)
+                # gradients w.r.t. the captured layers' outputs only: the capture hooks see them,
+                # and no parameter gradient is formed or accumulated (nor reduced by DDP/ZeRO hooks)
+                torch.autograd.grad(per_example.sum(), outs, allow_unused=True)
+            losses.append(per_example.detach().float().cpu())
+            rows.append(torch.cat([g.reshape(len(chunk), -1) for g in rec.dense().values()], dim=1).cpu())
+        return (torch.cat(rows) if grads else None), torch.cat(losses)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        out = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(out, x.contiguous())
+        return torch.cat(out)
+
+    def _measure_window(self, ids: np.ndarray, fetch: Callable[[np.ndarray], torch.Tensor]):
+        """``(grads [W, D] or None, summed token losses [W], tokens scored per example)``: this
+        rank's chunk measured, then every rank's gathered (chunks are contiguous, so the first W
+        gathered rows are the window in order)."""
+        rows, _ = _my_rows(len(ids), self.rank, self.world)
+        tokens = self._truncate(fetch(ids[rows]))
+        grads, losses = self._measure(tokens, grads="grads" in self._needs)
+        losses = self._gather(losses.to(self.device)).cpu()[:len(ids)]
+        if grads is not None:
+            grads = self._gather(grads.to(self.device)).cpu()[:len(ids)]
+        return grads, losses, tokens.shape[1]
+
+    def _target_gradient(self) -> torch.Tensor:
+        """``[D]`` gradient of the target's mean token loss (summed over ranks' shares)."""
+        tokens = self._truncate(self.target_tokens[:self.config.target_examples])
+        rows, real = _my_rows(len(tokens), self.rank, self.world)
+        grads, _ = self._measure(tokens[rows], grads=True)
+        total = grads[:real].double().sum(dim=0).to(self.device)
+        if self.world > 1:
+            dist.all_reduce(total)
+        return (total / (len(tokens) * (tokens.shape[1] - 1))).float().cpu()
+
+    # -- the round --------------------------------------------------------------------------------
+
+    def run(self, *, step: int, epoch: int, order: np.ndarray, start: int,
+            fetch: Callable[[np.ndarray], torch.Tensor], lr: float, tokens_per_batch: int, batch_size: int,
+            sources: Callable[[np.ndarray], list[str]] | None = None) -> tuple[np.ndarray | None, dict]:
+        """One round after optimizer step ``step``: ``(the epoch's new order, stats)``; the order is
+        None when no upcoming position is left. ``order``: the epoch's global order (ids);
+        ``start``: the first position not yet consumed; ``fetch(ids) -> [n, T]`` token ids."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        ids = np.asarray(order[start:start + cfg.window], dtype=np.int64)
+        if len(ids) == 0:
+            return None, {}
+        with contextlib.ExitStack() as stack:
+            for other in self._pause:
+                stack.enter_context(other.pause())
+            stack.enter_context(untouched_training_state(self.model))
+            if self.capture is not None:
+                stack.enter_context(_resumed(self.capture))
+            grads, losses, length = self._measure_window(ids, fetch) if self._needs else (None, None, 0)
+            target = self._target_gradient() if "target" in self._needs else None
+        mean_losses = None if losses is None else (losses.double() / (length - 1)).numpy()
+        perm = torch.zeros(len(ids), dtype=torch.int64)
+        scores = torch.zeros(len(ids), dtype=torch.float64)
+        if self.rank == 0:
+            p, s = order_window(cfg.policy.value, grads=grads, target=target, losses=mean_losses,
+                                lr_eff=lr / max(tokens_per_batch, 1), batch_size=batch_size,
+                                seed=int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0]))
+            perm, scores = torch.from_numpy(p), torch.from_numpy(np.asarray(s, dtype=np.float64))
+        if self.world > 1:          # rank 0 decides; every rank applies the same order
+            for t in (perm, scores):
+                buf = t.to(self.device)
+                dist.broadcast(buf, src=0)
+                t.copy_(buf.cpu())
+        perm_np, scores_np = perm.numpy(), scores.numpy()
+        keep = len(ids) if cfg.mode is SelectionMode.REORDER else max(1, math.ceil(cfg.keep_fraction * len(ids)))
+        new_order = rewrite_order(np.asarray(order, dtype=np.int64), start, ids[perm_np], keep)
+        stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores,
+                            sources(ids) if sources is not None else None)
+        stats.update(policy=cfg.policy.value, mode=cfg.mode.value, seconds=time.perf_counter() - t0,
+                     mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
+        self._prev_scores = dict(zip(ids.tolist(), scores_np.tolist()))
+        self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[perm_np], stats=stats)
+        return new_order, stats
+
+
+@contextlib.contextmanager
+def _outputs_of(capture: GradientCapture) -> Iterator[list[torch.Tensor]]:
+    """Collects the outputs of the captured layers' forwards run inside the block."""
+    outs: list[torch.Tensor] = []
+
+    def keep(module, args, output):
+        if output.requires_grad:
+            outs.append(output)
+    handles = [m.register_forward_hook(keep) for m in capture.modules.values()]
+    try:
+        yield outs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _resumed(capture: GradientCapture) -> Iterator[None]:
+    capture.resume()
+    try:
+        yield
+    finally:
+        capture.pause()

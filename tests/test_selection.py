@@ -1,0 +1,208 @@
+"""Online data selection: the order rewrite, the policies against brute force, the persisted log, and
+a round on a tiny OLMo against torch.func gradients with the training state checked untouched."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from olmo_tda.config import ConfigError, SelectionConfig, TDAConfig
+from olmo_tda.training.selection import (SelectionError, SelectionLog, greats_order, order_window, rewrite_order,
+                                         round_stats)
+from olmo_tda.training.selector import OnlineSelector
+from conftest import exact_per_example_grads, tiny_olmo
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rewrite_never_loses_duplicates_or_touches_consumed(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 60))
+    order = rng.permutation(n).astype(np.int64)
+    start = int(rng.integers(0, n))
+    width = int(rng.integers(1, n - start + 1))
+    window = order[start:start + width]
+    new_window = rng.permutation(window)
+    keep = int(rng.integers(1, width + 1))
+    out = rewrite_order(order, start, new_window, keep)
+    assert np.array_equal(out[:start], order[:start])                 # consumed positions unchanged
+    assert np.array_equal(np.sort(out), np.sort(order))                # nothing lost or duplicated
+    assert np.array_equal(out[start:start + keep], new_window[:keep])  # kept, best first
+    assert np.array_equal(out[n - (width - keep):], new_window[keep:])  # the rest at the end of the epoch
+    if keep == width:                                                   # reorder: a permutation in place
+        assert np.array_equal(out[start + width:], order[start + width:])
+
+
+def test_rewrite_refuses_a_window_that_is_not_the_upcoming_one():
+    order = np.arange(10)
+    with pytest.raises(SelectionError, match="not a permutation"):
+        rewrite_order(order, 2, np.array([2, 3, 9]), 3)
+    with pytest.raises(SelectionError, match="keep"):
+        rewrite_order(order, 2, np.array([3, 2]), 0)
+
+
+def _greats_brute_force(G, target, lr, batch):
+    """GREATS by definition: explicit Gram matrix, Python loops."""
+    W = len(G)
+    gram = [[float(np.dot(G[i], G[j])) for j in range(W)] for i in range(W)]
+    align = [lr * float(np.dot(G[i], target)) for i in range(W)]
+    left, order = set(range(W)), []
+    while left:
+        slot = []
+        for _ in range(min(batch, len(left))):
+            gains = {i: align[i] - lr ** 2 * sum(gram[i][j] for j in slot) for i in left}
+            best = max(sorted(gains), key=lambda i: gains[i])
+            slot.append(best)
+            left.remove(best)
+        order += slot
+    return order
+
+
+@pytest.mark.parametrize("lr,batch", [(0.05, 4), (1.0, 3), (1e-6, 5)])
+def test_greats_equals_its_definition(lr, batch):
+    gen = torch.Generator().manual_seed(1)
+    G = torch.randn(13, 7, generator=gen, dtype=torch.float64)
+    G[5] = G[2]                                      # a duplicate: redundancy must push it apart
+    target = torch.randn(7, generator=gen, dtype=torch.float64)
+    order, gains = greats_order(G, target, lr, batch)
+    assert order.tolist() == _greats_brute_force(G.numpy(), target.numpy(), lr, batch)
+    if lr == 1e-6:                                   # no redundancy to speak of: the alignment order
+        assert order.tolist() == np.argsort(-(G @ target).numpy(), kind="stable").tolist()
+
+
+def test_greats_splits_duplicates_that_alignment_keeps_together():
+    # rows 0 and 1 are the same best-aligned example; row 2 is less aligned but orthogonal to them
+    G = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 0.8]], dtype=torch.float64)
+    target = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    assert order_window("alignment", grads=G, target=target)[0].tolist()[:2] == [0, 1]
+    order, gains = greats_order(G, target, lr_eff=0.5, batch_size=2)
+    assert order.tolist() == [0, 2, 1]               # the twin waits for the next update
+    assert gains[2] == pytest.approx(0.5 * 0.8) and gains[1] == pytest.approx(0.5)  # a new slot: no penalty
+
+
+def test_policies_order_by_their_scores():
+    gen = torch.Generator().manual_seed(0)
+    G = torch.randn(9, 4, generator=gen)
+    losses = np.linspace(1, 2, 9)[::-1].copy()
+    order, _ = order_window("loss", losses=losses)
+    assert order.tolist() == list(range(9))
+    order, scores = order_window("gradnorm", grads=G)
+    assert np.all(np.diff(scores[order]) <= 0)
+    a, _ = order_window("random", losses=losses, seed=3)
+    b, _ = order_window("random", losses=losses, seed=3)
+    c, _ = order_window("random", losses=losses, seed=4)
+    assert a.tolist() == b.tolist() != c.tolist() and sorted(a.tolist()) == list(range(9))
+    with pytest.raises(SelectionError, match="needs"):
+        order_window("alignment", grads=G)
+    with pytest.raises(SelectionError, match="unknown"):
+        order_window("best", grads=G)
+
+
+def test_round_stats():
+    ids = np.array([10, 11, 12, 13])
+    order = np.array([3, 0, 1, 2])                   # 13 promoted, the others demoted
+    scores = np.array([1.0, 0.5, 0.2, 3.0])
+    s = round_stats(ids, order, scores, 4, {10: 0.9, 11: 0.4, 12: 0.3, 13: 5.0}, ["a", "b", "a", "b"])
+    assert s["promoted_mean_score"] == 3.0 and s["demoted_mean_score"] == pytest.approx(1.7 / 3)
+    assert s["rank_corr_prev"] == pytest.approx(1.0)
+    assert s["source_frac_window"] == {"a": 0.5, "b": 0.5}
+    assert s["source_frac_front"] == {"a": 0.5, "b": 0.5}      # front half: 13 (b), 10 (a)
+    assert sum(s["score_hist"]["counts"]) == 4
+
+
+def test_log_replays_truncates_and_survives_a_torn_line(tmp_path):
+    log = SelectionLog(tmp_path)
+    base = np.arange(20)
+    o1 = rewrite_order(base, 4, np.array([7, 6, 5, 4]), 4)
+    log.append(epoch=0, step=2, start=4, keep=4, window_ids=np.array([7, 6, 5, 4]), stats={})
+    o2 = rewrite_order(o1, 8, np.array([10, 9, 8, 11]), 2)
+    log.append(epoch=0, step=4, start=8, keep=2, window_ids=np.array([10, 9, 8, 11]), stats={})
+    log.append(epoch=1, step=30, start=0, keep=1, window_ids=np.array([0]), stats={})
+    assert np.array_equal(log.replay(base, 0, 3)[0], o1)
+    assert np.array_equal(log.replay(base, 0, 100)[0], o2)
+    with open(log.index_file, "a") as f:
+        f.write('{"epoch": 0, "st')                     # a crash mid-append
+    assert len(log.rounds()) == 3
+    assert log.truncate_after(0, 2) == 2
+    assert np.array_equal(log.replay(base, 0, 100)[0], o1)
+    assert not list(tmp_path.glob("round-e0000-s0000000004*"))
+    (tmp_path / json.loads(log.index_file.read_text().splitlines()[0])["file"]).write_bytes(b"junk")
+    with pytest.raises(SelectionError, match="cannot be read"):
+        log.replay(base, 0, 100)
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="tda.selection.target"):
+        TDAConfig.from_dict({"selection": {"enabled": True, "policy": "alignment"}})
+    with pytest.raises(ConfigError, match="tda.selection.keep_fraction"):
+        TDAConfig.from_dict({"selection": {"keep_fraction": 0}})
+    with pytest.raises(ConfigError, match="no such file"):
+        TDAConfig.from_dict({"selection": {"enabled": True, "target": str(tmp_path / "nope.txt")}})
+    with pytest.raises(ConfigError, match="policy"):
+        TDAConfig.from_dict({"selection": {"policy": "best"}})
+
+
+def _tokens(n, T=12, seed=0):
+    return torch.randint(0, 96, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_olmo(attention_dropout=0.1, residual_dropout=0.1)     # dropout: eval mode must be used
+    model.train()
+    data = _tokens(24)
+    target = _tokens(5, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(data[:4]).logits.sum().backward()
+    opt.step()                                                          # non-trivial optimizer state and grads
+    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+              {n: p.grad.clone() for n, p in model.named_parameters()}, torch.get_rng_state())
+    (tmp_path / "target.txt").write_text("target texts (the round gets them as tokens)\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=10, policy="greats", target=str(tmp_path / "target.txt"),
+                          proj_dim=0,
+                          target_examples=5, micro_batch=3)
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
+                         target_tokens=target)
+    order = np.arange(24)
+    new, stats = sel.run(step=1, epoch=0, order=order, start=6, fetch=lambda ids: data[ids], lr=0.5,
+                         tokens_per_batch=4 * 12, batch_size=4)
+    # the training state is exactly as it was
+    assert model.training
+    for k, v in before[0].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert torch.equal(torch.get_rng_state(), before[3])
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[2][n]), n
+    assert json.dumps(opt.state_dict(), default=str) == json.dumps(before[1], default=str)
+    # the order: consumed untouched, the window permuted
+    assert np.array_equal(new[:6], order[:6]) and np.array_equal(np.sort(new[6:16]), np.arange(6, 16))
+    assert np.array_equal(new[16:], order[16:])
+    # the measured gradients are the exact ones (eval mode: dropout off)
+    model.eval()
+    names = list(sel.capture.modules)
+    exact = exact_per_example_grads(model, data[6:16])
+    exact_t = exact_per_example_grads(model, target)
+    model.train()
+    flat = torch.cat([exact[f"{n}.weight"].reshape(10, -1) for n in names], dim=1).double()
+    tgt = torch.cat([exact_t[f"{n}.weight"].reshape(5, -1) for n in names], dim=1).double().sum(0) / (5 * 11)
+    want, _ = greats_order(flat, tgt, 0.5 / 48, 4)
+    logged = np.load(tmp_path / "sel" / json.loads((tmp_path / "sel" / "rounds.jsonl").read_text())["file"])
+    assert np.array_equal(logged, new[6:16]) and np.array_equal(new[6:16], 6 + want)
+    assert stats["examples_rescored"] == 10 and stats["seconds"] > 0
+    sel.close()
+
+
+def test_round_at_the_end_of_the_epoch_does_nothing(tmp_path):
+    model = tiny_olmo()
+    cfg = SelectionConfig(enabled=True, every_n=1, window=4, policy="loss")
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path)
+    data = _tokens(8)
+    new, _ = sel.run(step=3, epoch=0, order=np.arange(8), start=8, fetch=lambda ids: data[ids], lr=1.0,
+                     tokens_per_batch=1, batch_size=1)
+    assert new is None
+    new, _ = sel.run(step=4, epoch=0, order=np.arange(8), start=6, fetch=lambda ids: data[ids], lr=1.0,
+                     tokens_per_batch=1, batch_size=1)      # a window cut short by the epoch's end
+    assert sorted(new[6:].tolist()) == [6, 7]

@@ -1,0 +1,160 @@
+"""Online selection inside real OLMo runs (``olmo-tda train``): the rewrite never loses, duplicates
+or moves a consumed example; a resumed run reproduces the rewritten order; 2 ranks (gloo) train on
+one order; ``selection.enabled: false`` is plain training. Oracles: the ids each step actually
+trained on (from the capture store) and OLMo's own order rebuilt from its seed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmo_tda.demo.corpus import build_passages
+from olmo_tda.demo.data import write_memmap
+from olmo_tda.store import GradientStore
+from test_olmo_integration import GBS, ROOT, SEQ, _overrides, _run
+
+N_EXAMPLES = 256
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("olmo_sel")
+    passages = build_passages(N_EXAMPLES, SEQ, seed=3)
+    write_memmap(passages, tmp / "data" / "train.npy", SEQ)
+    (tmp / "target.txt").write_text("\n".join(passages[:16]) + "\n")
+    return tmp
+
+
+def _sel_args(data_dir: Path, run: str, steps: int, *extra: str, policy: str = "greats") -> list[str]:
+    return _overrides(data_dir, run, steps, "--tda.selection.enabled=true", "--tda.selection.every_n=3",
+                      "--tda.selection.window=40", f"--tda.selection.policy={policy}",
+                      f"--tda.selection.target={data_dir / 'target.txt'}", "--tda.selection.target_examples=8",
+                      "--tda.selection.proj_dim=8", "--save_interval_unsharded=null", *extra)
+
+
+def _trained_ids(run_dir: Path) -> dict[int, np.ndarray]:
+    block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
+    return {int(s): np.sort(block.ids[block.steps == s]) for s in np.unique(block.steps)}
+
+
+def _base_order(run_dir: Path) -> np.ndarray:
+    """OLMo's own epoch-0 order, rebuilt from the run's config (what a run without selection uses)."""
+    from olmo.config import TrainConfig
+    from olmo.data.iterable_dataset import IterableDataset
+
+    cfg = TrainConfig.load(run_dir / "config.yaml")
+    ds = IterableDataset(list(range(N_EXAMPLES)), cfg.global_train_batch_size, seed=cfg.data.seed or cfg.seed,
+                         shuffle=True, drop_last=cfg.data.drop_last, world_size=1, rank=0, fs_local_rank=0)
+    return ds._build_global_indices().astype(np.int64)
+
+
+def _check_run(run_dir: Path, steps: int, mode: str = "reorder") -> list[dict]:
+    rounds = [json.loads(x) for x in (run_dir / "tda" / "selection" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rounds] == list(range(3, steps, 3)) or [r["step"] for r in rounds] == list(range(3, steps + 1, 3))
+    final = np.memmap(run_dir / "train_data" / "global_indices.npy", dtype=np.uint32, mode="r").astype(np.int64)
+    base = _base_order(run_dir)
+    assert np.array_equal(np.sort(final), np.sort(base)), "the epoch lost or duplicated an example"
+    trained = _trained_ids(run_dir)
+    # every step trained on exactly the positions of the final order (so positions consumed before a
+    # round were never changed by a later one), and the examples of the steps are all different
+    for step, ids in trained.items():
+        assert np.array_equal(ids, np.sort(final[(step - 1) * GBS: step * GBS])), step
+    seen = np.concatenate(list(trained.values()))
+    assert len(seen) == len(set(seen.tolist())), "an example was trained twice within the epoch"
+    # the rounds did rewrite the order (the first round's window is not the base order's)
+    r0 = rounds[0]
+    window = np.load(run_dir / "tda" / "selection" / r0["file"])
+    assert r0["start"] == 3 * GBS and not np.array_equal(window, base[r0["start"]:r0["start"] + len(window)])
+    if mode == "reorder":
+        assert np.array_equal(np.sort(window), np.sort(base[r0["start"]:r0["start"] + len(window)]))
+    return rounds
+
+
+def test_reorder_rewrites_only_upcoming_positions_and_loses_nothing(data_dir):
+    _run(_sel_args(data_dir, "sel_reorder", 10, "--wandb.project=olmo-tda-test", "--wandb.log_interval=1"),
+         env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    rounds = _check_run(data_dir / "sel_reorder", 10)
+    assert rounds[0]["policy"] == "greats" and rounds[0]["examples_rescored"] == 40
+    assert sum(rounds[0]["score_hist"]["counts"]) == 40 and rounds[1]["rank_corr_prev"] is not None
+    metrics = [json.loads(x) for x in (data_dir / "sel_reorder" / "tda" / "metrics.jsonl").read_text().splitlines()]
+    assert "tda/selection_seconds" in metrics[2] and "tda/selection_seconds" not in metrics[1]
+    blob = next((data_dir / "sel_reorder" / "wandb").rglob("*.wandb")).read_bytes()
+    for key in ("tda/selection_seconds", "tda/selection_scores", "tda/selection_promoted_mean_score"):
+        assert key.encode() in blob, key
+
+
+def test_filter_moves_the_rest_to_the_end_of_the_epoch(data_dir):
+    _run(_sel_args(data_dir, "sel_filter", 7, "--tda.selection.mode=filter", "--tda.selection.keep_fraction=0.25",
+                   policy="loss"))
+    rounds = _check_run(data_dir / "sel_filter", 7, mode="filter")
+    final = np.memmap(data_dir / "sel_filter" / "train_data" / "global_indices.npy", dtype=np.uint32, mode="r")
+    r = rounds[-1]
+    moved = np.load(data_dir / "sel_filter" / "tda" / "selection" / r["file"])[r["keep"]:]
+    assert np.array_equal(np.asarray(final[N_EXAMPLES - len(moved):]), moved)
+
+
+def test_resume_reproduces_the_rewritten_order(data_dir):
+    full, resumed = data_dir / "sel_full", data_dir / "sel_resumed"
+    _run(_sel_args(data_dir, "sel_full", 12, "--save_interval_unsharded=4"))
+    # a run that stopped after step 8 (and had already logged a round past the checkpoint at 4... )
+    _run(_sel_args(data_dir, "sel_resumed", 8, "--save_interval_unsharded=4"))
+    assert (resumed / "step4-unsharded").exists()
+    _run(_sel_args(data_dir, "sel_resumed", 12, "--save_interval_unsharded=4", "--save_overwrite",
+                   f"--load_path={resumed / 'step4-unsharded'}"))
+    a, b = _trained_ids(full), _trained_ids(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in range(1, 13):
+        assert np.array_equal(a[step], b[step]), step
+    for name in ("global_indices.npy",):
+        assert np.array_equal(np.fromfile(full / "train_data" / name, dtype=np.uint32),
+                              np.fromfile(resumed / "train_data" / name, dtype=np.uint32))
+    rounds = [json.loads(x)["step"] for x in (resumed / "tda" / "selection" / "rounds.jsonl").read_text().splitlines()]
+    assert rounds == [3, 6, 9, 12]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_train_on_one_rewritten_order(data_dir, strategy):
+    """Each rank scores half the window; rank 0 decides; the store's rows (both ranks' examples)
+    follow the one rewritten order."""
+    run = f"sel_2rank_{strategy}"
+    _run(_sel_args(data_dir, run, 7, f"--distributed_strategy={strategy}"), nproc=2, timeout=600)
+    _check_run(data_dir / run, 7)
+    block = GradientStore.open(data_dir / run / "tda" / "store").read_all(layers=[])
+    assert len(set(GradientStore.open(data_dir / run / "tda" / "store").summary()["ranks"])) == 2
+    assert len(block.ids) == 7 * GBS
+
+
+def test_selection_disabled_is_plain_training(data_dir):
+    """tda on, selection off (and no capture store): the same losses, weights and data order as
+    OLMo's own Trainer."""
+    import torch
+    import torch.distributed as dist
+    from olmo.train import Trainer
+
+    from olmo_tda.integrations import olmo_train
+    from olmo_tda.integrations.olmo import load_configs
+
+    out = {}
+    for name, cls, extra in (("olmo", Trainer, ["--tda.enabled=false"]),
+                             ("off", None, ["--tda.selection.enabled=false", "--tda.store.enabled=false"])):
+        cfg, tda = load_configs(ROOT / "configs" / "demo_tiny.yaml",
+                                _overrides(data_dir, f"sel_parity_{name}", 5, *extra))
+        trainer = olmo_train.build_trainer(cfg, tda, olmo_train.init_distributed(), trainer_cls=cls)
+        losses, ids = [], []
+        for batch in trainer.train_loader:
+            trainer.global_step += 1
+            ids.append(batch["index"].tolist())
+            losses.append(trainer.train_step(batch)["train/CrossEntropyLoss"])
+            if trainer.global_step == 5:
+                break
+        out[name] = (losses, ids, {k: v.clone() for k, v in trainer.model.state_dict().items()})
+        trainer.close()
+    dist.destroy_process_group()
+    assert out["olmo"][0] == out["off"][0] and out["olmo"][1] == out["off"][1]
+    for k, v in out["olmo"][2].items():
+        assert torch.equal(v, out["off"][2][k]), k
+    assert not (data_dir / "sel_parity_off" / "tda" / "selection").exists()
