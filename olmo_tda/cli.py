@@ -154,6 +154,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report.html import write_run_report
+
+    print(f"wrote {write_run_report(Path(args.run), Path(args.out) if args.out else None)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmo-tda", description="Training-data attribution inside pretraining.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -193,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     inspect.set_defaults(func=_cmd_inspect)
+    report = sub.add_parser("report", help="HTML report of a run: training curve and online-selection rounds")
+    report.add_argument("run", help="run directory of olmo-tda train")
+    report.add_argument("--out", help="HTML file (default: RUN/tda/report.html; plots beside it)")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -104,3 +104,12 @@ def test_fidelity_bytes_runs():
     assert res["benchmark"] == "fidelity_bytes" and res["ref_bytes"] > 0
     best = res["recommended"]
     assert best is not None and best["bytes_ratio"] <= 1 / 32 + 1e-9 and -1 <= best["spearman"] <= 1
+
+
+def test_selection_runs(tmp_path):
+    res = _last_json("selection.py", "--quick", "--arms", "none,random,greats", "--steps", "12", "--n-each", "64",
+                     "--n-val", "16", "--target-examples", "8", "--window", "24", "--every", "4", "--eval-every", "4",
+                     "--out", str(tmp_path), "--png", str(tmp_path / "curves.png"))
+    assert res["benchmark"] == "selection" and set(res["arms"]) == {"none", "random", "greats"}
+    assert 0.0 <= res["steps_saved_frac"] <= 1.0 and isinstance(res["compute_matched_delta"], float)
+    assert res["arms"]["greats"]["selection_overhead"] > 0 and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -6,7 +6,6 @@ trained on (from the capture store) and OLMo's own order rebuilt from its seed."
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +84,13 @@ def test_reorder_rewrites_only_upcoming_positions_and_loses_nothing(data_dir):
     blob = next((data_dir / "sel_reorder" / "wandb").rglob("*.wandb")).read_bytes()
     for key in ("tda/selection_seconds", "tda/selection_scores", "tda/selection_promoted_mean_score"):
         assert key.encode() in blob, key
+    # the run's HTML report plots the rounds
+    from olmo_tda.cli import main as cli_main
+
+    assert cli_main(["report", str(data_dir / "sel_reorder")]) == 0
+    html = (data_dir / "sel_reorder" / "tda" / "report.html").read_text()
+    assert "selection.png" in html and "selection rounds" in html
+    assert (data_dir / "sel_reorder" / "tda" / "selection.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_filter_moves_the_rest_to_the_end_of_the_epoch(data_dir):
@@ -158,3 +164,96 @@ def test_selection_disabled_is_plain_training(data_dir):
     for k, v in out["olmo"][2].items():
         assert torch.equal(v, out["off"][2][k]), k
     assert not (data_dir / "sel_parity_off" / "tda" / "selection").exists()
+
+
+@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])     # ZeRO-3 is the stricter case
+def test_deepspeed_callback_two_ranks_and_resume(tmp_path, stage):
+    """DeepSpeed example script, 2 ranks (gloo), ZeRO-2 or 3: rounds every 2 steps rewrite the data
+    order both ranks read (the store's rows of each step are exactly that step's positions of the
+    replayed order, no example twice), and a rerun that resumes from the step-4 checkpoint replays
+    the rounds up to it and re-runs the later ones identically."""
+    import os
+    import subprocess
+    import sys
+
+    from olmo_tda.integrations import deepspeed_pretrain as script
+    from olmo_tda.training.selection import DataOrder, SelectionLog
+
+    passages = build_passages(64, 32, seed=11)
+    (tmp_path / "target.txt").write_text("\n".join(passages) + "\n")
+    run = tmp_path / "run"
+    common = [f"--run_dir={run}", "--save_every=4", "--model.d_model=32", "--model.embedding_size=257",
+              "--data.seq_len=32", "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
+              f"--deepspeed.zero_optimization.stage={stage}", "--tda.capture.proj_dim=8", "--tda.store.flush_every=1",
+              "--tda.selection.enabled=true", "--tda.selection.every_n=2", "--tda.selection.window=24",
+              f"--tda.selection.target={tmp_path / 'target.txt'}", "--tda.selection.target_examples=6",
+              "--tda.selection.proj_dim=8"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "olmo_tda.integrations.deepspeed_pretrain", str(ROOT / "configs" / "deepspeed_tiny.yaml")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first_round6 = None
+    for steps in (6, 8):      # the rerun resumes from step 4: round 6 is dropped and re-run
+        done = subprocess.run([*cmd, *common, f"--steps={steps}"], capture_output=True, text=True, timeout=600,
+                              env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-6000:]
+        if first_round6 is None:
+            first_round6 = np.load(next((run / "tda" / "selection").glob("round-*-s0000000006.npy")))
+    assert np.array_equal(np.load(next((run / "tda" / "selection").glob("round-*-s0000000006.npy"))), first_round6)
+    assert "resumed from" in done.stderr
+    rounds = [json.loads(x) for x in (run / "tda" / "selection" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rounds] == [2, 4, 6, 8]
+    num = int((run / "data" / "train.npy").stat().st_size // 2 // 32)
+    order = DataOrder(num, lambda e: script._epoch_order(0, e, num), SelectionLog(run / "tda" / "selection", writer=False))
+    per_step = 2 * 2 * 2
+    block = GradientStore.open(run / "tda" / "store").read_all(layers=[])
+    for step in range(1, 9):
+        want = np.sort(order.ids((step - 1) * per_step, per_step))
+        assert np.array_equal(np.sort(block.ids[block.steps == step]), want), step
+    seen = block.ids
+    assert len(seen) == len(set(seen.tolist())) == 8 * per_step
+    base = script._epoch_order(0, 0, num)
+    assert not np.array_equal(order.epoch_order(0)[per_step * 2:per_step * 2 + 24], base[per_step * 2:per_step * 2 + 24])
+
+
+def test_a_round_inside_the_olmo_trainer_leaves_weights_optimizer_and_rngs_untouched(data_dir):
+    """The whole OLMo-side round (measure, decide, rewrite the order file, restart the loader) after
+    3 real steps: weights, AdamW state, parameter grads and the python/numpy/torch RNG streams are
+    exactly as before, and the next batch comes from the rewritten order."""
+    import copy
+    import random
+
+    import torch
+    import torch.distributed as dist
+
+    from olmo_tda.integrations import olmo_train
+    from olmo_tda.integrations.olmo import load_configs
+
+    cfg, tda = load_configs(ROOT / "configs" / "demo_tiny.yaml", _sel_args(data_dir, "sel_untouched", 4, "--tda.selection.every_n=100", policy="greats"))
+    trainer = olmo_train.build_trainer(cfg, tda, olmo_train.init_distributed())
+    it = iter(trainer.train_loader)
+    for _ in range(3):
+        batch = next(it)
+        trainer.global_step += 1
+        trainer.global_train_examples_seen_this_epoch += GBS
+        trainer.train_step(batch)
+    before = (copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(trainer.optim.state_dict()),
+              {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()},
+              random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    metrics = {}
+    trainer._selection_round(metrics)
+    after_sd = trainer.model.state_dict()
+    assert all(torch.equal(after_sd[k], v) for k, v in before[0].items())
+    opt = trainer.optim.state_dict()
+    for pid, st in before[1]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(opt["state"][pid][k]), torch.as_tensor(v)), (pid, k)
+    for n, p in trainer.model.named_parameters():
+        assert (p.grad is None and before[2][n] is None) or torch.equal(p.grad, before[2][n]), n
+    assert random.getstate() == before[3] and np.array_equal(np.random.get_state()[1], before[4])
+    assert torch.equal(torch.get_rng_state(), before[5])
+    assert metrics["tda/selection_examples_rescored"] == 40
+    order = np.memmap(data_dir / "sel_untouched" / "train_data" / "global_indices.npy", dtype=np.uint32, mode="r")
+    nxt = next(it)                           # the restarted iterator serves the rewritten order
+    assert np.array_equal(np.sort(nxt["index"].numpy()), np.sort(np.asarray(order[3 * GBS:4 * GBS])))
+    trainer.close()
+    dist.destroy_process_group()

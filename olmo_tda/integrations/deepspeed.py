@@ -54,7 +54,7 @@ from ..config import ConfigError, LossReduction, TDAConfig
 from ..store import GradientRecord, GradientStore
 from ..store.record import cat_rows
 
-__all__ = ["attach", "DeepSpeedTDA", "STATE_KEY"]
+__all__ = ["attach", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,10 @@ class DeepSpeedTDA:
         self._owns_capture = capture is None
         self._warned_unused = False
         if not config.enabled:
+            return
+        if not config.store.enabled:        # e.g. a run that only selects data: no capture session
+            if config.trajectory.enabled:
+                log.warning("tda.trajectory is kept by the capture session, which tda.store.enabled: false turns off")
             return
         if config.store.path is None:
             raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
@@ -379,6 +383,65 @@ class DeepSpeedTDA:
 
 _signature = functools.lru_cache(maxsize=8)(inspect.signature)
 """The engine methods' signatures, computed once (``backward`` is bound every micro-batch)."""
+
+
+class DeepSpeedSelection:
+    """Online data selection as a callback of a DeepSpeed loop that reads its example ids from a
+    :class:`~olmo_tda.training.selection.DataOrder`: call :meth:`on_step_end` after each optimizer
+    step and :meth:`resume` after ``engine.load_checkpoint``. Rounds run through ``engine.module``
+    (gradients w.r.t. layer outputs only, so ZeRO's gradient hooks and buffers are never touched),
+    rank 0 decides and every rank's ``order`` gets the same rewrite; rounds persist under
+    ``log_folder`` and are replayed by ``order`` on resume.
+
+    Example (see ``deepspeed_pretrain.py``)::
+
+        order = DataOrder(len(data), lambda epoch: permutation(seed, epoch))
+        selection = DeepSpeedSelection(engine, tda.selection, order=order, fetch=tokens_of,
+                                       forward=lambda m, ids: m.olmo(ids).logits, seq_len=T,
+                                       log_folder=run_dir / "tda" / "selection")
+        for step in ...:
+            ids = order.ids(position, micro_bs); ...; engine.step()
+            selection.on_step_end(step)
+    """
+
+    def __init__(self, engine: Any, config: Any, *, order: Any, fetch: Callable, forward: Callable, seq_len: int,
+                 log_folder: str | Path, target_tokens: torch.Tensor | None = None, pause: tuple = ()):
+        from ..training.selector import OnlineSelector
+
+        self.engine = engine
+        self.order = order
+        self.fetch = fetch
+        self.seq_len = seq_len
+        self.selector = OnlineSelector(config, engine.module, forward=forward, log_folder=log_folder,
+                                       target_tokens=target_tokens, micro_batch=engine.train_micro_batch_size_per_gpu(),
+                                       device=engine.device, pause=pause)
+        order.log = self.selector.log
+        order.reset()
+        self.per_step = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * _world_size()
+
+    def resume(self, step: int) -> int:
+        """Forget rounds after ``step`` (they re-run); the order replays the rest. Returns how many
+        were dropped."""
+        dropped = self.selector.log.truncate_after((step * self.per_step) // self.order.num, step)
+        if _world_size() > 1:
+            dist.barrier()
+        self.order.reset()
+        return dropped
+
+    def on_step_end(self, step: int) -> dict | None:
+        """Run a round if one is due after optimizer step ``step``; returns its stats."""
+        if not self.selector.due(step):
+            return None
+        epoch, start = divmod(step * self.per_step, self.order.num)
+        new_order, stats = self.selector.run(step=step, epoch=epoch, order=self.order.epoch_order(epoch), start=start,
+                                             fetch=self.fetch, lr=float(self.engine.get_lr()[0]),
+                                             tokens_per_batch=self.per_step * self.seq_len, batch_size=self.per_step)
+        if new_order is not None:
+            self.order.set_epoch_order(epoch, new_order)
+        return stats
+
+    def close(self) -> None:
+        self.selector.close()
 
 
 def _close_at_exit(ref: weakref.WeakMethod) -> None:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, TDAConfig
+from ..training.selection import DataOrder
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
 
@@ -184,19 +185,30 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     steps, save_every = int(cfg["steps"]), int(cfg.get("save_every") or 0)
-    order = dict(world=world, micro_bs=micro_bs, gas=gas, num=len(data), seed=int(cfg.get("seed", 0)))
+    seed, num = int(cfg.get("seed", 0)), len(data)
+    data_order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
+    selection = None
+    if tda.enabled and tda.selection.enabled:
+        selection = _start_selection(engine, tda, session, data, data_order, cfg, run_dir)
+        if engine.global_steps:
+            selection.resume(engine.global_steps)
     device = engine.device
     t0, losses = time.perf_counter(), []
     for step in range(engine.global_steps + 1, steps + 1):
         step_loss = 0.0
         for micro in range(gas):                                      # the ordinary DeepSpeed loop
-            ids = step_ids(step, rank, micro, **order)
+            ids = data_order.ids((step - 1) * world * micro_bs * gas + (rank * gas + micro) * micro_bs, micro_bs)
             batch = {k: v.to(device) for k, v in data.batch(ids).items()}
             loss = engine(batch)
             engine.backward(loss)
             engine.step()
             step_loss += float(loss.detach()) / gas
         losses.append(step_loss)
+        if selection is not None:
+            stats = selection.on_step_end(step)
+            if stats and rank == 0:
+                log.info("step %d: selection rescored %d examples in %.2f s", step, stats["examples_rescored"],
+                         stats["seconds"])
         if rank == 0 and (step % 10 == 0 or step == steps):
             log.info("step %d/%d loss %.4f lr %.2e", step, steps, step_loss, engine.get_lr()[0])
         if save_every and step % save_every == 0:
@@ -205,13 +217,38 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         engine.save_checkpoint(str(ckpt), tag=f"step{steps}")
     _save_final_weights(engine, run_dir / WEIGHTS_FILE, rank)
     summary = {"steps": steps, "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
-               "zero_stage": stage, "world_size": world, "tda": session.metrics() if tda.enabled else None}
+               "zero_stage": stage, "world_size": world,
+               "tda": session.metrics() if tda.enabled and tda.store.enabled else None}
     session.close()
+    if selection is not None:
+        selection.close()
     if rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData, data_order: DataOrder,
+                     cfg: dict[str, Any], run_dir: Path):
+    from ..demo.corpus import ByteTokenizer
+    from ..demo.data import BYTE_TOKENIZER_ID
+    from ..training.selector import load_target
+    from .deepspeed import DeepSpeedSelection
+
+    seq_len = int(cfg["data"]["seq_len"])
+    target = None
+    if tda.selection.target:
+        byte_data = not (cfg.get("data") or {}).get("paths") or cfg.get("tokenizer") == BYTE_TOKENIZER_ID
+        if Path(tda.selection.target).suffix in (".txt", ".jsonl") and not byte_data:
+            raise ConfigError("tda.selection.target: this script tokenizes target texts with the byte tokenizer only; "
+                              "give a token file (.npy ids or a uint16 memmap) for other tokenizers")
+        target = load_target(tda.selection.target, seq_len, ByteTokenizer().encode, num=tda.selection.target_examples,
+                             eos_token_id=int(cfg["model"].get("eos_token_id", 256)))
+    return DeepSpeedSelection(engine, tda.selection, order=data_order, seq_len=seq_len,
+                              fetch=lambda ids: data.batch(ids)["input_ids"],
+                              forward=lambda m, ids: m.olmo(ids).logits, log_folder=run_dir / "tda" / "selection",
+                              target_tokens=target, pause=(session.capture,) if session.capture is not None else ())
 
 
 def _save_final_weights(engine: Any, path: Path, rank: int) -> None:

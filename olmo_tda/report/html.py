@@ -10,7 +10,7 @@ import html
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["plot_training", "write_attribution_report"]
+__all__ = ["plot_training", "plot_selection", "write_attribution_report", "write_run_report"]
 
 
 def plot_training(path: Path, steps: Sequence[int], losses: Sequence[float],
@@ -33,6 +33,73 @@ def plot_training(path: Path, steps: Sequence[int], losses: Sequence[float],
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_selection(path: Path, rounds: Sequence[dict[str, Any]]) -> Path:
+    """The selection rounds of a run (``tda/selection/rounds.jsonl``) as a PNG: promoted vs demoted
+    mean score, rank correlation with the previous round, the front's fraction per data source, and
+    seconds per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rounds]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.4))
+    for key, label in (("promoted_mean_score", "promoted"), ("demoted_mean_score", "demoted")):
+        axes[0].plot(steps, [r.get(key) if r.get(key) is not None else float("nan") for r in rounds], ".-", label=label)
+    axes[0].set(xlabel="step", ylabel="mean score", title=f"scores ({rounds[0].get('policy', '?')})")
+    axes[0].legend()
+    axes[1].plot(steps, [r["rank_corr_prev"] if r.get("rank_corr_prev") is not None else float("nan")
+                         for r in rounds], ".-", color="tab:purple")
+    axes[1].set(xlabel="step", ylabel="Spearman", title="rank correlation with the previous round", ylim=(-1, 1))
+    sources = sorted({s for r in rounds for s in (r.get("source_frac_front") or {})})
+    for src in sources:
+        axes[2].plot(steps, [(r.get("source_frac_front") or {}).get(src, float("nan")) for r in rounds], ".-", label=src)
+    axes[2].set(xlabel="step", ylabel="fraction", title="front of the window, per source", ylim=(0, 1))
+    if sources:
+        axes[2].legend()
+    axes[3].bar(steps, [r.get("seconds", 0.0) for r in rounds], width=max(1, (steps[-1] - steps[0]) / max(len(steps), 1) * 0.6)
+                if len(steps) > 1 else 1, color="tab:gray")
+    axes[3].set(xlabel="step", ylabel="s", title="seconds per round")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_run_report(run_dir: Path, path: Path | None = None) -> Path:
+    """``<run>/tda/report.html`` (or ``path``): the run's training curve from ``tda/metrics.jsonl``
+    and, when the run selected data online, its selection rounds. Plots sit beside the HTML."""
+    import json
+
+    run_dir = Path(run_dir)
+    tda = run_dir / "tda"
+    path = Path(path) if path else tda / "report.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images, summary = [], {"run": str(run_dir)}
+    metrics_file = tda / "metrics.jsonl"
+    if metrics_file.is_file():
+        rows = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
+        rows = [r for r in rows if "train/CrossEntropyLoss" in r]
+        if rows:
+            images.append(plot_training(path.parent / "training.png", [r["step"] for r in rows],
+                                        [r["train/CrossEntropyLoss"] for r in rows], title=run_dir.name))
+            summary["steps"] = rows[-1]["step"]
+            summary["final train loss"] = f"{rows[-1]['train/CrossEntropyLoss']:.4f}"
+    rounds_file = tda / "selection" / "rounds.jsonl"
+    if rounds_file.is_file():
+        rounds = [json.loads(x) for x in rounds_file.read_text().splitlines() if x.strip()]
+        if rounds:
+            images.append(plot_selection(path.parent / "selection.png", rounds))
+            summary["selection rounds"] = len(rounds)
+            summary["selection policy / mode"] = f"{rounds[-1].get('policy')} / {rounds[-1].get('mode')}"
+            summary["selection seconds (total)"] = f"{sum(r.get('seconds', 0.0) for r in rounds):.1f}"
+            summary["examples rescored"] = sum(r.get("examples_rescored", 0) for r in rounds)
+    if len(summary) == 1:
+        raise FileNotFoundError(f"{run_dir}: no tda/metrics.jsonl or tda/selection/rounds.jsonl to report on")
+    return write_attribution_report(path, title=f"olmo_tda run: {run_dir.name}", summary=summary, queries=[],
+                                    images=images)
 
 
 def write_attribution_report(path: Path, *, title: str, summary: dict[str, Any],

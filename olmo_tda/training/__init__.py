@@ -1,4 +1,6 @@
-"""Training-time components beside the step: trajectory checkpoints for TracIn (selection comes next).
+"""Training-time components beside the step: trajectory checkpoints for TracIn, and online data
+selection (:mod:`.selection`: policies, the order rewrite, the round log; :mod:`.selector`: a round
+at the current weights).
 
 Example::
 
@@ -11,6 +13,9 @@ Example::
     print([c.step for c in Trajectory.list(traj.path)])     # [0, 2, 4]
 """
 
+from .selection import DataOrder, SelectionError, SelectionLog, rewrite_order
+from .selector import OnlineSelector
 from .trajectory import Trajectory, TrajectoryCheckpoint, TrajectoryError
 
-__all__ = ["Trajectory", "TrajectoryCheckpoint", "TrajectoryError"]
+__all__ = ["Trajectory", "TrajectoryCheckpoint", "TrajectoryError", "OnlineSelector", "SelectionLog", "SelectionError",
+           "DataOrder", "rewrite_order"]

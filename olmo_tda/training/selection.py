@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 __all__ = ["POLICIES", "RoundInputs", "order_window", "greats_order", "rewrite_order", "SelectionLog",
-           "SelectionError", "round_stats"]
+           "SelectionError", "round_stats", "DataOrder"]
 
 
 class SelectionError(RuntimeError):
@@ -54,6 +54,7 @@ class RoundInputs:
     lr_eff: float = 1.0                     # η: lr / tokens per global batch
     batch_size: int = 1                     # GB: examples per optimizer step (greats' redundancy scope)
     seed: int = 0                           # for the random policy (already mixed with the round)
+    num: int = 0                            # W (the random policy measures nothing)
 
 
 def _alignment(x: RoundInputs) -> tuple[np.ndarray, np.ndarray]:
@@ -71,7 +72,7 @@ def _gradnorm(x: RoundInputs) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _random(x: RoundInputs) -> tuple[np.ndarray, np.ndarray]:
-    n = len(x.losses) if x.losses is not None else len(x.grads)
+    n = x.num
     order = np.random.default_rng(x.seed).permutation(n)
     scores = np.empty(n)
     scores[order] = -np.arange(n, dtype=np.float64)       # earlier = higher
@@ -117,7 +118,7 @@ POLICIES: dict[str, tuple[Callable[[RoundInputs], tuple[np.ndarray, np.ndarray]]
 
 def order_window(policy: str, *, grads: torch.Tensor | None = None, target: torch.Tensor | None = None,
                  losses: np.ndarray | None = None, align: np.ndarray | None = None, lr_eff: float = 1.0,
-                 batch_size: int = 1, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                 batch_size: int = 1, seed: int = 0, num: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(order [W], scores [W])``: window positions best first, and each example's score.
     ``align`` (precomputed ⟨g_i, ḡ⟩) stands in for grads/target with ``alignment``."""
     if policy not in POLICIES:
@@ -126,8 +127,10 @@ def order_window(policy: str, *, grads: torch.Tensor | None = None, target: torc
         align = np.asarray(align, dtype=np.float64)
         return np.argsort(-align, kind="stable"), align
     fn, needs = POLICIES[policy]
+    if num is None:
+        num = next((len(x) for x in (grads, losses) if x is not None), 0)
     inputs = RoundInputs(grads=grads, target=target, losses=losses, lr_eff=lr_eff, batch_size=batch_size,
-                         seed=seed)
+                         seed=seed, num=num)
     missing = [k for k in needs if getattr(inputs, k) is None]
     if missing:
         raise SelectionError(f"policy {policy!r} needs {missing} measured for the window")
@@ -266,3 +269,37 @@ class SelectionLog:
             if (r["epoch"], r["step"]) > (epoch, step):
                 (self.folder / r["file"]).unlink(missing_ok=True)
         return len(rounds) - len(keep)
+
+
+class DataOrder:
+    """The data order of a loop that consumes a base permutation per epoch (``base(epoch)``), position
+    by position, with the selection rounds of ``log`` applied: what a loop without OLMo's order file
+    (the DeepSpeed example) reads its example ids from. Global position p is example
+    ``epoch_order(p // num)[p % num]``."""
+
+    def __init__(self, num: int, base: Callable[[int], np.ndarray], log: SelectionLog | None = None):
+        self.num = num
+        self.base = base
+        self.log = log
+        self._orders: dict[int, np.ndarray] = {}
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            order = np.asarray(self.base(epoch), dtype=np.int64)
+            if self.log is not None:
+                order, _ = self.log.replay(order, epoch, np.iinfo(np.int64).max)
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def set_epoch_order(self, epoch: int, order: np.ndarray) -> None:
+        self._orders[epoch] = np.asarray(order, dtype=np.int64)
+
+    def reset(self) -> None:
+        """Forget cached orders (after the log was truncated on resume)."""
+        self._orders.clear()
+
+    def ids(self, start: int, count: int) -> np.ndarray:
+        """Example ids at global positions ``[start, start + count)``."""
+        pos = np.arange(start, start + count)
+        return np.asarray([self.epoch_order(int(p) // self.num)[int(p) % self.num] for p in pos], dtype=np.int64)

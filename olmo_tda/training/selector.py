@@ -260,7 +260,7 @@ class OnlineSelector:
         scores = torch.zeros(len(ids), dtype=torch.float64)
         if self.rank == 0:
             p, s = order_window(cfg.policy.value, grads=grads, target=target, losses=mean_losses,
-                                lr_eff=lr / max(tokens_per_batch, 1), batch_size=batch_size,
+                                lr_eff=lr / max(tokens_per_batch, 1), batch_size=batch_size, num=len(ids),
                                 seed=int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0]))
             perm, scores = torch.from_numpy(p), torch.from_numpy(np.asarray(s, dtype=np.float64))
         if self.world > 1:          # rank 0 decides; every rank applies the same order
@@ -270,13 +270,16 @@ class OnlineSelector:
                 t.copy_(buf.cpu())
         perm_np, scores_np = perm.numpy(), scores.numpy()
         keep = len(ids) if cfg.mode is SelectionMode.REORDER else max(1, math.ceil(cfg.keep_fraction * len(ids)))
-        new_order = rewrite_order(np.asarray(order, dtype=np.int64), start, ids[perm_np], keep)
+        placed = perm_np
+        if keep < len(ids):         # filter: the kept examples keep their relative order (batches stay mixed)
+            placed = np.concatenate([np.sort(perm_np[:keep]), perm_np[keep:]])
+        new_order = rewrite_order(np.asarray(order, dtype=np.int64), start, ids[placed], keep)
         stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores,
                             sources(ids) if sources is not None else None)
         stats.update(policy=cfg.policy.value, mode=cfg.mode.value, seconds=time.perf_counter() - t0,
                      mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
         self._prev_scores = dict(zip(ids.tolist(), scores_np.tolist()))
-        self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[perm_np], stats=stats)
+        self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[placed], stats=stats)
         return new_order, stats
 
 
