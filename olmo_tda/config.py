@@ -180,9 +180,6 @@ class CaptureConfig:
 class StoreConfig:
     """Where and how captured gradients are written."""
 
-    enabled: bool = True
-    """Capture every training example into the store. False: a run that only selects data (or
-    only keeps trajectory checkpoints) — no capture hooks on the training step, no store."""
     path: str | None = None
     """Store directory. In a training run it defaults to ``<save_folder>/tda/store``."""
     dtype: StoreDType = StoreDType.FLOAT32
@@ -193,6 +190,9 @@ class StoreConfig:
     """Records the background writer may hold before the training step waits (back-pressure)."""
     compression: str | None = None
     """HDF5 filter for gradient datasets (``None`` or ``"lzf"``/``"gzip"``); off by default for speed."""
+    enabled: bool = True
+    """Capture every training example into the store. False: a run that only selects data (or
+    only keeps trajectory checkpoints) — no capture hooks on the training step, no store."""
 
     def validate(self, path: str = "store") -> None:
         _check_types(self, path)
@@ -377,6 +377,9 @@ class TDAConfig:
         self.batch.validate(f"{path}.batch")
         self.trajectory.validate(f"{path}.trajectory")
         self.selection.validate(f"{path}.selection")
+        if self.selection.enabled and not self.enabled:
+            warnings.warn(f"{path}.selection is ignored: {path}.enabled is false (the run is plain training)",
+                          stacklevel=2)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, path: str = "tda") -> "TDAConfig":

@@ -25,10 +25,19 @@ log = logging.getLogger(__name__)
 def init_distributed() -> torch.device:
     """Join (or make) the process group; return this rank's device."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:           # plain `python`, not torchrun: a group of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend=backend)
+        else:                                   # plain `python`, not torchrun: a group of one
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            for attempt in range(5):            # the free port we saw can be taken before the store binds it
+                os.environ["MASTER_PORT"] = str(_free_port())
+                try:
+                    dist.init_process_group(backend=backend)
+                    break
+                except (RuntimeError, OSError) as e:
+                    if "EADDRINUSE" not in str(e) and "address already in use" not in str(e) or attempt == 4:
+                        raise
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)

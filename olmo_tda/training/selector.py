@@ -187,8 +187,9 @@ class OnlineSelector:
         return ce.view(labels.shape).sum(dim=1)
 
     def _measure(self, tokens: torch.Tensor, grads: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``(grads [n, D] or None, summed token losses [n])`` of the rows of ``tokens``."""
-        tokens = self._truncate(tokens).to(self.device)
+        """``(grads [n, D] or None, summed token losses [n])`` of the rows of ``tokens`` (already
+        truncated to ``score_tokens``)."""
+        tokens = tokens.to(self.device)
         rows, losses = [], []
         for lo in range(0, len(tokens), self.micro_batch):
             chunk = tokens[lo:lo + self.micro_batch]
