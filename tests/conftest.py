@@ -85,3 +85,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def restore_environ():
+    """For tests that start a one-process group in the pytest process: ``init_distributed`` sets
+    RANK/MASTER_PORT/... in ``os.environ``; put it back so later subprocess runs choose their own
+    port instead of inheriting one this process may still hold."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
