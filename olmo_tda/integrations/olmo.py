@@ -1,8 +1,8 @@
 """ai2-olmo integration: a ``Trainer`` subclass that captures every example of every step, the config
 loader for a training YAML with a ``tda:`` section, and our own training entry point.
 
-OLMo's ``Trainer`` has no callbacks, so the subclass wraps exactly three of its methods and adds
-nothing to the step otherwise:
+OLMo's ``Trainer`` has no callbacks, so the subclass wraps a few of its methods and adds nothing to
+the step otherwise:
 
 - ``train_batch``: the whole micro-batch loop runs inside one ``capture.record(batch["index"],
   loss_scale=tokens in the device batch)`` (OLMo divides each micro-batch's CE sum by that number);
@@ -17,6 +17,13 @@ With ``capture.proj_type: eigen`` the trainer first makes sure the eigenbasis fi
 over the first ``capture.basis_batches`` training batches of every rank at the initial weights (no
 optimizer step; covariances summed over ranks, rank 0's matrices broadcast) and saved before the
 first step. A resumed run loads the file, never re-estimates it.
+
+With ``tda.selection.enabled`` the step also ends, every ``every_n`` steps, with a selection round
+(:class:`~olmo_tda.training.selector.OnlineSelector`): the upcoming window of OLMo's order is
+rescored at the current weights, ``global_indices.npy`` is rewritten from the first unconsumed
+position on, and the loader (wrapped in :class:`RestartableLoader`) restarts there; a restore
+replays the logged rounds onto the order OLMo rebuilds (``docs/ARCHITECTURE.md``, Online data
+selection). ``tda.store.enabled: false`` runs selection without per-step capture.
 
 With ``tda.enabled: false`` none of this happens: no capture object, no hooks, no store, no thread;
 the methods call straight through to OLMo's.
