@@ -87,11 +87,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restore_environ():
-    """For tests that start a one-process group in the pytest process: ``init_distributed`` sets
-    RANK/MASTER_PORT/... in ``os.environ``; put it back so later subprocess runs choose their own
-    port instead of inheriting one this process may still hold."""
+    """Every test gets the environment back as it found it. Tests that start a one-process group in
+    the pytest process (``init_distributed`` sets RANK/MASTER_PORT/... in ``os.environ``) would
+    otherwise hand their port to every later subprocess run — a port this process may still hold."""
     saved = dict(os.environ)
     yield
     os.environ.clear()

@@ -153,7 +153,7 @@ def test_sigkill_and_resume_leaves_no_duplicates_or_gaps(data_dir):
         assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
 
 
-def test_disabled_is_plain_olmo(data_dir, restore_environ):
+def test_disabled_is_plain_olmo(data_dir):
     """tda.enabled=false: no hooks, no store, and the same losses as OLMo's own Trainer; enabled
     capture does not change them either."""
     import torch.distributed as dist

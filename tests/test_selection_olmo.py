@@ -134,7 +134,7 @@ def test_two_ranks_train_on_one_rewritten_order(data_dir, strategy):
     assert len(block.ids) == 7 * GBS
 
 
-def test_selection_disabled_is_plain_training(data_dir, restore_environ):
+def test_selection_disabled_is_plain_training(data_dir):
     """tda on, selection off (and no capture store): the same losses, weights and data order as
     OLMo's own Trainer."""
     import torch
@@ -215,7 +215,7 @@ def test_deepspeed_callback_two_ranks_and_resume(tmp_path, stage):
     assert not np.array_equal(order.epoch_order(0)[per_step * 2:per_step * 2 + 24], base[per_step * 2:per_step * 2 + 24])
 
 
-def test_a_round_inside_the_olmo_trainer_leaves_weights_optimizer_and_rngs_untouched(data_dir, restore_environ):
+def test_a_round_inside_the_olmo_trainer_leaves_weights_optimizer_and_rngs_untouched(data_dir):
     """The whole OLMo-side round (measure, decide, rewrite the order file, restart the loader) after
     3 real steps: weights, AdamW state, parameter grads and the python/numpy/torch RNG streams are
     exactly as before, and the next batch comes from the rewritten order."""
