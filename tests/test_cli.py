@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
 from pathlib import Path
 
@@ -17,7 +18,10 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     """The demo runs OLMo pretraining with capture, answers its queries, and leaves a run that
     `olmo-tda attribute` and `inspect` can open."""
     out = tmp_path / "demo"
+    env_before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     assert main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 0
+    # the one-process group is gone and so are its variables (a later subprocess picks its own port)
+    assert {k: os.environ.get(k) for k in env_before} == env_before
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("demo: 512 examples captured, self-query top-1 hit rate ")
     hits, total = map(int, last.split("hit rate ")[1].split(",")[0].split("/"))

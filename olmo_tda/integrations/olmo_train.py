@@ -17,7 +17,7 @@ import yaml
 from ..config import TDAConfig
 from .olmo import TDA_YAML, TDATrainer
 
-__all__ = ["train", "init_distributed"]
+__all__ = ["train", "init_distributed", "release_distributed"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ def init_distributed() -> torch.device:
         if "RANK" in os.environ:
             dist.init_process_group(backend=backend)
         else:                                   # plain `python`, not torchrun: a group of one
+            _ONE_PROCESS_ENV.update({k: os.environ.get(k) for k in _ONE_PROCESS_KEYS})
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
             for attempt in range(5):            # the free port we saw can be taken before the store binds it
                 os.environ["MASTER_PORT"] = str(_free_port())
@@ -43,6 +44,25 @@ def init_distributed() -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+_ONE_PROCESS_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_ONE_PROCESS_ENV: dict[str, str | None] = {}
+"""What the environment held before :func:`init_distributed` made a group of one (restored by
+:func:`release_distributed`, so processes started later do not inherit this process's port)."""
+
+
+def release_distributed() -> None:
+    """Destroy the process group; if :func:`init_distributed` made it for a plain process, also
+    restore the environment variables it set."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in _ONE_PROCESS_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _ONE_PROCESS_ENV.clear()
 
 
 def _free_port() -> int:
@@ -155,4 +175,4 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
             wandb.finish()
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+        release_distributed()
