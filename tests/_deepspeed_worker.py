@@ -244,7 +244,7 @@ def check_errors(out: Path) -> None:
         return f"hooks={hooks} wrapped={sorted(k for k in ('step', 'backward') if k in engine.__dict__)}"
 
     outcome("disabled", disabled)
-    yaml_file = root / "run.yaml"
+    yaml_file = root / f"run{dist.get_rank()}.yaml"      # one file per rank: a shared one races (truncate vs read)
     yaml_file.write_text(f"tda:\n  enabled: true\n  capture: {{proj_dim: 8}}\n  store: {{path: {root / 'yaml_store'}}}\n")
     outcome("yaml", lambda: (lambda t: (t.capture.layer_shapes["olmo.transformer.ff_out"], t.close())[0])(attach(engine, yaml_file)))
 
