@@ -17,9 +17,9 @@ Example::
 """
 
 from .eigenbasis import EigenBasis, EigenProjector, estimate_eigenbasis
-from .hooks import CaptureError, GradientCapture, Recording, canonical_name
+from .hooks import CaptureError, GradientCapture, Recording, activation_grads_only, canonical_name
 from .projection import IdentityProjector, Projector, RandomProjector, make_projector, register_projector
 
-__all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name", "Projector",
+__all__ = ["GradientCapture", "Recording", "activation_grads_only", "CaptureError", "canonical_name", "Projector",
            "IdentityProjector", "RandomProjector", "EigenBasis", "EigenProjector", "estimate_eigenbasis",
            "make_projector", "register_projector"]

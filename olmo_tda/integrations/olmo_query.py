@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 from pathlib import Path
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 import yaml
 
-from ..capture import GradientCapture
+from ..capture import GradientCapture, activation_grads_only
 from ..config import ProjectionType, TDAConfig
 from ..demo.corpus import ByteTokenizer
 from ..demo.data import BYTE_TOKENIZER_ID
@@ -37,23 +36,6 @@ from .olmo import TDA_YAML, basis_path
 __all__ = ["OLMoRun", "DeepSpeedRun", "open_run"]
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _activation_grads_only(model: torch.nn.Module) -> Iterator[None]:
-    """Backward without weight gradients: capture builds per-example gradients from activations and
-    output gradients, so only the embeddings keep ``requires_grad`` (cheap, and it makes autograd
-    run through the network). Saves the dW matmuls, ~1/4 of a forward+backward."""
-    saved = {p: p.requires_grad for p in model.parameters()}
-    embeddings = {p for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    try:
-        if embeddings:
-            for p in model.parameters():
-                p.requires_grad_(p in embeddings)
-        yield
-    finally:
-        for p, flag in saved.items():
-            p.requires_grad_(flag)
 
 
 class OLMoRun:
@@ -112,7 +94,7 @@ class OLMoRun:
         capture = GradientCapture(self.model, self.tda.capture)
         try:
             grads: dict[str, list[torch.Tensor]] = {}
-            with _activation_grads_only(self.model):
+            with activation_grads_only(self.model):
                 for text in texts:
                     tokens = torch.tensor([self._encode(text)])
                     if tokens.shape[1] < 2:
@@ -158,7 +140,7 @@ class OLMoRun:
             self._dataset = build_memmap_dataset(self.cfg, self.cfg.data)
         capture = GradientCapture(self.model, self.tda.capture)
         try:
-            with _activation_grads_only(self.model):
+            with activation_grads_only(self.model):
                 for start in tqdm(range(0, len(ids), batch_size), disable=not progress, unit="batch", leave=False):
                     chunk = np.asarray(ids[start:start + batch_size], dtype=np.int64)
                     tokens = torch.stack([torch.as_tensor(self._dataset[int(i)]["input_ids"], dtype=torch.long)
