@@ -1,0 +1,304 @@
+"""olmo_tda side by side with dattri-llm, Kronfluence, dattri, TRAK and LogIX, on one workload.
+
+    python benchmarks/peers/run.py              # 3 interleaved repeats; table, then one JSON line
+    python benchmarks/peers/run.py --quick      # 1 repeat, 512 train examples
+    python -m benchmarks.run_all                # the same, and docs/BENCHMARKS.md regenerated
+
+Each peer runs in its own venv (made by ``venvs.py``), as a fresh process per measurement, on the
+same data, the same checkpoint and the same projection size. The shared workload is in
+``workload.py``: every system keeps k·k floats per scored layer and example (TRAK keeps the same
+total over the whole model).
+
+For each system:
+- **ex/s**: training examples per second of the pass that computes and stores their projected
+  gradients.
+- **step overhead**: extra seconds per AdamW step with in-loop capture, relative to plain steps.
+  Only olmo_tda, dattri-llm and LogIX capture inside a training loop.
+- **bytes/ex**: on disk, or in RAM where the library keeps its store there.
+- **16 queries**: seconds from 16 query texts to their scores against every training example.
+- **peak RSS**: peak resident memory of the process.
+- **Spearman**: mean over queries of the rank correlation of its scores with exact GradDot scores
+  from ``torch.func`` per-example gradients (no projection).
+
+Repeats are interleaved: repeat r runs the systems in an order rotated by r, and the table shows
+medians over repeats. Ratios are olmo_tda's number against each peer's, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import venvs  # noqa: E402
+from workload import Workload, prepare, spearman_rows  # noqa: E402
+
+OURS = "olmo_tda"
+OURS_EIGEN = "olmo_tda_eigen"       # our data-aware projection at the same bytes (fidelity row)
+HEADLINE_PEER = "dattri_llm"
+SYSTEMS = [OURS, OURS_EIGEN, *venvs.PEERS]
+IN_LOOP = (OURS, "dattri_llm", "logix")
+LABELS = {"olmo_tda": "olmo_tda", "olmo_tda_eigen": "olmo_tda eigen + LoRIF c=1", "dattri_llm": "dattri-llm", "kronfluence": "Kronfluence", "dattri": "dattri",
+          "traker": "TRAK (traker)", "logix": "LogIX (logix-ai)"}
+
+
+def run_worker(python: str, system: str, mode: str, workdir: Path, out: Path, timeout: float) -> dict:
+    cmd = [python, str(HERE / "worker.py"), system, mode, str(workdir), str(out)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TQDM_DISABLE": "1"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+    if out.exists():
+        return json.loads(out.read_text())
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"ok": False, "error": f"worker exited {proc.returncode}: {' | '.join(tail)}"}
+
+
+def _median(runs: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get("ok") and r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(systems: list[str], attr: dict, loop: dict, spearman: dict, status: dict) -> dict:
+    rows = {}
+    for s in systems:
+        ok = [r for r in attr[s] if r.get("ok")]
+        row = {"system": s, "label": LABELS[s], "version": status[s].get("version"), "ok": bool(ok)}
+        if not status[s]["ok"]:
+            row.update(ok=False, error=f"install: {status[s]['reason']}")
+        elif not ok:
+            row["error"] = attr[s][0].get("error", "failed") if attr[s] else "not run"
+        else:
+            row.update(examples_per_s=_median(ok, "examples_per_s"), query_s=_median(ok, "query_s"),
+                       bytes_per_example=_median(ok, "bytes_per_example"), peak_rss_mb=_median(ok, "peak_rss_mb"),
+                       spearman=spearman.get(s), settings=ok[0].get("settings"), repeats=len(ok))
+        lp = [r for r in loop.get(s, []) if r.get("ok")]
+        if lp:
+            row["overhead"] = _median(lp, "overhead")
+            row["plain_step_s"] = _median(lp, "plain_step_s")
+            row["capture_step_s"] = _median(lp, "capture_step_s")
+        elif s in loop and loop[s]:
+            row["overhead_error"] = loop[s][0].get("error")
+        rows[s] = row
+    ours = rows[OURS]
+    for s, row in rows.items():
+        if s in (OURS, OURS_EIGEN) or not row.get("ok") or not ours.get("ok"):
+            continue
+        row["throughput_ratio"] = ours["examples_per_s"] / row["examples_per_s"]   # ours / theirs
+        row["query_ratio"] = row["query_s"] / ours["query_s"]                      # theirs / ours
+        if row.get("overhead") is not None and ours.get("overhead"):
+            row["overhead_ratio"] = row["overhead"] / ours["overhead"]             # theirs / ours
+    return rows
+
+
+def fmt(v, spec: str, none: str = "—") -> str:
+    return none if v is None else format(v, spec)
+
+
+def table(rows: dict) -> list[str]:
+    head = ("| system | version | ex/s | ours ×| step overhead | ours ×| bytes/ex | 16 queries s | ours ×"
+            "| peak RSS MB | Spearman vs exact |")
+    out = [head, "|" + "---|" * 11]
+    for s, r in rows.items():
+        if not r.get("ok"):
+            out.append(f"| {r['label']} | {r.get('version') or '—'} | failed: {r.get('error', '?')} |" + " |" * 8)
+            continue
+        ov = fmt(r.get("overhead"), "+.0%", "post hoc only")
+        out.append(f"| {r['label']} | {r['version'] or '—'} | {r['examples_per_s']:.0f} | {fmt(r.get('throughput_ratio'), '.1f')} "
+                   f"| {ov} | {fmt(r.get('overhead_ratio'), '.1f')} | {r['bytes_per_example']:.0f} "
+                   f"| {r['query_s']:.2f} | {fmt(r.get('query_ratio'), '.1f')} | {r['peak_rss_mb']:.0f} "
+                   f"| {fmt(r.get('spearman'), '.3f')} |")
+    return out
+
+
+def headline(rows: dict) -> dict:
+    peer = rows.get(HEADLINE_PEER, {})
+    ours = rows[OURS]
+    others = {s: r for s, r in rows.items() if s not in (OURS, OURS_EIGEN, HEADLINE_PEER) and r.get("ok")}
+    peers = {s: r for s, r in rows.items() if s not in (OURS, OURS_EIGEN) and r.get("ok")}
+    # at the same stored bytes: Kronfluence stores nothing and scores exact gradients, so it is not
+    # a same-k comparison; it is reported in its row
+    same_bytes = {s: r for s, r in peers.items() if r.get("bytes_per_example")}
+    best = max(same_bytes, key=lambda s: same_bytes[s].get("spearman") or -1, default=None)
+    ours_best = max((r.get("spearman") or -1 for s, r in rows.items() if s in (OURS, OURS_EIGEN) and r.get("ok")),
+                    default=None)
+    return {
+        "throughput_vs_dattri_llm": peer.get("throughput_ratio"),
+        "overhead_vs_dattri_llm": peer.get("overhead_ratio"),
+        "min_throughput_vs_other_peers": min((r["throughput_ratio"] for r in others.values()), default=None),
+        "spearman_ours": ours.get("spearman"),
+        "spearman_ours_best": ours_best,
+        "spearman_best_peer": same_bytes[best].get("spearman") if best else None,
+        "best_peer": best,
+    }
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def losses(rows: dict) -> list[str]:
+    """Every metric on which a peer's row is better than our default row by more than 5%, in words."""
+    ours, out = rows[OURS], []
+    if not ours.get("ok"):
+        return ["olmo_tda itself failed: " + str(ours.get("error"))]
+    checks = [("examples_per_s", "throughput", "{:.0f} ex/s", max), ("overhead", "step overhead", "{:+.0%}", min),
+              ("bytes_per_example", "bytes per example", "{:.0f} B", min), ("query_s", "16-query time", "{:.2f} s", min),
+              ("peak_rss_mb", "peak memory", "{:.0f} MB", min), ("spearman", "agreement with exact", "{:.3f}", max)]
+    for s, r in rows.items():
+        if s in (OURS, OURS_EIGEN) or not r.get("ok"):
+            continue
+        for key, what, f, better in checks:
+            theirs, mine = r.get(key), ours.get(key)
+            # within 5% is a tie on this noisy machine
+            if theirs is None or mine is None or better(theirs, mine) != theirs \
+                    or abs(theirs - mine) <= 0.05 * max(abs(theirs), abs(mine)):
+                continue
+            note = " (it stores nothing and recomputes every train gradient per query)" \
+                if s == "kronfluence" and key in ("bytes_per_example", "spearman") else ""
+            out.append(f"{LABELS[s]}: {what} {f.format(theirs)} vs ours {f.format(mine)}{note}")
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The peers section of docs/BENCHMARKS.md, regenerated by benchmarks/run_all.py."""
+    rows, h, w, m = result["rows"], result["headline"], result["workload"], result["machine"]
+    lines = [f"Command: `{result['command']}` ({result['repeats']} interleaved repeats, medians; "
+             f"{result['seconds']:.0f} s).",
+             f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, {m['date']}.",
+             "",
+             f"Workload: causal LM, d_model {w['d_model']}, {w['n_layers']} blocks, vocab {w['vocab']}, "
+             f"13 bias-free nn.Linear layers scored; {w['n_train']} train and {w['n_query']} query byte passages "
+             f"of {w['seq_len']} tokens (this Python's stdlib sources), batch {w['batch']}, k = {w['k']} per side "
+             f"({w['k'] * w['k']} floats per layer per example), λ = {w['damping']}.",
+             ""]
+    lines += table(rows)
+    lines += [""]
+    fmtx = lambda v: "n/a" if v is None else f"{v:.1f}x"  # noqa: E731
+    verdict = lambda v, t: "" if v is None else (" — met" if v >= t else " — **missed**")  # noqa: E731
+    lines.append(f"**olmo_tda vs dattri-llm: {fmtx(h['throughput_vs_dattri_llm'])}** per-example gradient "
+                 f"throughput (target ≥ 2x{verdict(h['throughput_vs_dattri_llm'], 2)}); **olmo_tda vs dattri-llm: "
+                 f"{fmtx(h['overhead_vs_dattri_llm'])}** lower training-step overhead. Against every other peer, the "
+                 f"smallest throughput ratio is {fmtx(h['min_throughput_vs_other_peers'])} (target ≥ 3x"
+                 f"{verdict(h['min_throughput_vs_other_peers'], 3)}). Spearman with exact scores at the "
+                 f"same stored floats: olmo_tda {fmt(h['spearman_ours'], '.3f')} (random), "
+                 f"{fmt(h['spearman_ours_best'], '.3f')} (best of ours); best peer "
+                 f"{LABELS.get(h['best_peer'], '—')} {fmt(h['spearman_best_peer'], '.3f')}.")
+    lines.append("")
+    lines.append("Where a peer beats olmo_tda (its default row) by more than 5% on this run:")
+    lines += [f"- {item}" for item in losses(rows)] or ["- nowhere"]
+    lines.append("")
+    lines.append("Settings per system:")
+    for s, r in rows.items():
+        why = r.get("settings") or r.get("error")
+        extra = f" In-loop capture: {r['overhead_error']}." if r.get("overhead_error") else ""
+        lines.append(f"- {r['label']}: {why}.{extra}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="1 repeat, 512 train examples")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument("--venvs", type=Path, default=venvs.DEFAULT_DIR, help="where the peers' venvs live")
+    p.add_argument("--n-train", type=int, default=None)
+    p.add_argument("--k", type=int, default=None, help="projection width per side")
+    p.add_argument("--d-model", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per worker before it counts as failed")
+    p.add_argument("--out", type=Path, default=None, help="also write the full result JSON here")
+    args = p.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            p.error(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+    if OURS not in systems:
+        systems.insert(0, OURS)
+    repeats = args.repeats or (1 if args.quick else 3)
+    w = Workload()
+    w = replace(w, n_train=args.n_train or (512 if args.quick else w.n_train), k=args.k or w.k,
+                d_model=args.d_model or w.d_model, seq_len=args.seq_len or w.seq_len)
+    t0 = time.perf_counter()
+
+    status = {s: {"ok": True, "python": sys.executable, "version": _our_version()} for s in (OURS, OURS_EIGEN)}
+    for s in systems:
+        if s in status:
+            continue
+        status[s] = venvs.ensure(s, args.venvs, log=lambda m: print(m, file=sys.stderr))
+    runnable = [s for s in systems if status[s]["ok"]]
+
+    attr: dict[str, list] = {s: [] for s in systems}
+    loop: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="olmo_tda_peers_") as tmp:
+        workdir = Path(tmp) / "work"
+        prepare(workdir, w)
+        exact = np.load(workdir / "exact.npy")
+        spear: dict[str, list[float]] = {}
+        for r in range(repeats):
+            order = runnable[r % len(runnable):] + runnable[:r % len(runnable)]
+            for s in order:
+                out = Path(tmp) / f"{s}.attr.{r}.json"
+                res = run_worker(status[s]["python"], s, "attr", workdir, out, args.timeout)
+                attr[s].append(res)
+                if res.get("ok"):
+                    spear.setdefault(s, []).append(spearman_rows(np.load(out.with_suffix(".npy")), exact))
+                print(f"[peers] repeat {r} {s:12s} attr: " + (f"{res['examples_per_s']:.0f} ex/s, query "
+                      f"{res['query_s']:.2f} s" if res.get("ok") else f"FAILED {res.get('error')}"), file=sys.stderr)
+            for s in order:
+                if s not in IN_LOOP:
+                    continue
+                out = Path(tmp) / f"{s}.loop.{r}.json"
+                res = run_worker(status[s]["python"], s, "overhead", workdir, out, args.timeout)
+                loop.setdefault(s, []).append(res)
+                print(f"[peers] repeat {r} {s:12s} loop: " + (f"overhead {res['overhead']:+.1%}" if res.get("ok")
+                      else f"FAILED {res.get('error')}"), file=sys.stderr)
+    rows = summarize(systems, attr, loop, {s: statistics.median(v) for s, v in spear.items()}, status)
+    cmd = "python benchmarks/peers/run.py" + (" --quick" if args.quick else "")
+    result = {"rows": rows, "headline": headline(rows), "workload": asdict(w), "machine": machine(),
+              "repeats": repeats, "seconds": time.perf_counter() - t0, "command": cmd}
+    for line in table(rows):
+        print(line)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({**result["headline"], "repeats": repeats,
+                      "systems": {s: {k: r.get(k) for k in ("ok", "examples_per_s", "overhead", "bytes_per_example",
+                                                            "query_s", "peak_rss_mb", "spearman", "error")}
+                                  for s, r in rows.items()}}))
+    return result
+
+
+def _our_version() -> str:
+    try:
+        import importlib.metadata as md
+        return md.version("olmo-tda")
+    except Exception:
+        return "checkout"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,464 @@
+"""Runs one system on the shared workload, in that system's own venv, and writes one JSON result.
+
+    python worker.py SYSTEM attr     WORKDIR OUT.json   # store the train gradients, answer 16 queries
+    python worker.py SYSTEM overhead WORKDIR OUT.json   # in-loop capture vs plain training steps
+
+``attr`` times the train pass, which computes and stores each example's projected gradient
+(examples/s), and the query pass: from 16 query texts to their [16, N] scores, store read included.
+It writes the scores next to OUT as ``.npy``; the orchestrator compares them with the exact ones.
+``overhead`` trains two identical copies of the model with AdamW. One is plain, the other is wrapped
+by the system's in-loop capture (writing to its store). The copies alternate in blocks of steps,
+and each block's seconds per step is one sample.
+
+The adapters use each library only through its documented public API. The settings, and why they
+are set that way, are in comments next to each call. One thing is the same for all of them: every
+system keeps k·k = 64 floats per scored layer per example (or, for TRAK, the same total over the
+whole model).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import sys
+import tempfile
+import traceback
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import Clock, dir_bytes, example_losses, linear_names, load, peak_rss_mb, threads, warm_up  # noqa: E402
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+
+# ---------------------------------------------------------------------------------------------------
+# olmo_tda
+
+
+def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False) -> dict:
+    from olmo_tda import CaptureConfig, GradientCapture
+    from olmo_tda.capture import activation_grads_only, estimate_eigenbasis
+    from olmo_tda.config import ProjectionType, StoreConfig
+    from olmo_tda.methods import attribute
+    from olmo_tda.store import GradientStore
+
+    with Clock() as c_train:
+        if eigen:
+            # data-aware projection: the KFAC eigenbasis of each layer, from 4 batches at these
+            # weights (its cost is counted in the train pass)
+            batches = [train[i * w.batch:(i + 1) * w.batch] for i in range(4)]
+            basis = estimate_eigenbasis(model, batches, lambda m, b: example_losses(m(b), b).sum(),
+                                        CaptureConfig(proj_dim=w.k * w.k // 2))
+            basis.save(tmp / "basis.safetensors")
+            # the same floats per layer as everyone (k·k), spent as LoRIF rank-1 factors of a wider
+            # eigen projection: k' = k·k/2 per side, A [k', 1] and B [k', 1]
+            cfg = CaptureConfig(proj_dim=w.k * w.k // 2, proj_type=ProjectionType.EIGEN, rank=1,
+                                basis=str(tmp / "basis.safetensors"))
+        else:
+            cfg = CaptureConfig(proj_dim=w.k, seed=0)
+        cap = GradientCapture(model, cfg)
+        store = GradientStore.create(tmp / "store", cap.store_metadata(), StoreConfig())
+        with activation_grads_only(model):        # the post-hoc path of `olmo-tda attribute`
+            for lo in range(0, len(train), w.batch):
+                batch = train[lo:lo + w.batch]
+                with cap.record(np.arange(lo, lo + len(batch))) as rec:
+                    example_losses(model(batch), batch).sum().backward()
+                store.append(rec.to_record(step=0, lr=0.0))
+        store.close()
+    with Clock() as c_query:
+        with activation_grads_only(model):
+            with cap.record(np.arange(len(query))) as qrec:
+                example_losses(model(query), query).sum().backward()
+        res = attribute(GradientStore.open(tmp / "store"), qrec, method="graddot", top_k=100, return_scores=True)
+    order = np.argsort(res.all_ids)
+    scores = res.all_scores.numpy()[:, order]
+    cap.remove()
+    kind = (f"proj_dim={w.k * w.k // 2}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank=1"
+            if eigen else f"proj_dim={w.k}, orthogonal random")
+    return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "store"),
+            "scores": scores, "settings": f"CaptureConfig({kind}), graddot, fp32 HDF5 store"}
+
+
+def olmo_tda_loop(w, model, opt, tmp: Path):
+    from olmo_tda import CaptureConfig, GradientCapture
+    from olmo_tda.config import StoreConfig
+    from olmo_tda.store import GradientStore
+
+    cap = GradientCapture(model, CaptureConfig(proj_dim=w.k, seed=0))
+    store = GradientStore.create(tmp / "loop", cap.store_metadata(), StoreConfig(flush_every=10 ** 6))
+    state = {"step": 0, "seen": 0}
+
+    def step(batch):
+        loss_scale = batch.shape[0]          # the loop trains on the batch mean; capture undoes it
+        with cap.record(np.arange(state["seen"], state["seen"] + len(batch)), loss_scale=loss_scale) as rec:
+            (example_losses(model(batch), batch).sum() / loss_scale).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        store.append(rec.to_record(step=state["step"], lr=1e-4))
+        state["step"] += 1
+        state["seen"] += len(batch)
+
+    return step, store.flush, "mean"
+
+
+# ---------------------------------------------------------------------------------------------------
+# dattri-llm
+
+
+def _dattri_llm_manager(w, model, out: Path, interval: int):
+    from dattri_llm import GradientStorageManager, HookManager, HookManagerConfig, OffloadCallback
+
+    # logra = Kronecker projection, proj_dim per factor, so k·k floats per layer (as ours).
+    # The documented "device" projection key crashes the logra hook in 0.1.0, so it is left out.
+    proj = {"__default__": {"style": "logra", "proj_dim": w.k, "proj_type": "normal",
+                            "proj_max_batch_size": w.batch, "proj_seed": 0}}
+    cfg = HookManagerConfig(linear_io=[f"^{n}$" for n in linear_names(model)], projection_kwargs=proj)
+    fm = GradientStorageManager(str(out))
+    hm = HookManager(model, config=cfg, callbacks=[OffloadCallback(offload_interval=interval, file_manager=fm,
+                                                                   recording_type="per_sample")])
+    return hm
+
+
+def dattri_llm_attr(w, model, train, query, tmp: Path) -> dict:
+    from dattri_llm import AttributionArguments, TracInAttributor, hash_batch
+
+    def capture(ids, out):
+        hm = _dattri_llm_manager(w, model, out, interval=32)
+        with hm.collect():
+            for lo in range(0, len(ids), w.batch):
+                batch = ids[lo:lo + w.batch]
+                model.zero_grad(set_to_none=True)
+                # a SUM over examples: each captured gradient is that example's own
+                example_losses(model(input_ids=batch), batch).sum().backward()
+        hm.remove()
+        model.zero_grad(set_to_none=True)
+
+    with Clock() as c_train:
+        capture(train, tmp / "train")
+    args = AttributionArguments(output_dir=str(tmp / "attr"), per_device_train_batch_size=w.batch,
+                                per_device_eval_batch_size=w.batch, use_cpu=True, dataloader_pin_memory=False)
+    with Clock() as c_query:
+        capture(query, tmp / "query")
+        s = TracInAttributor(args).attribute_from_cache(str(tmp / "train"), str(tmp / "query"))
+        tr_h = sum((hash_batch({"input_ids": train[lo:lo + w.batch]}) for lo in range(0, len(train), w.batch)), [])
+        q_h = hash_batch({"input_ids": query})
+        scores = s.query(tr_h, q_h).T.numpy()       # (n_train, n_query) -> (Q, N)
+    return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "train"),
+            "scores": scores, "settings": f"HookManager logra proj_dim={w.k} normal, TracInAttributor (graddot)"}
+
+
+def dattri_llm_loop(w, model, opt, tmp: Path):
+    hm = _dattri_llm_manager(w, model, tmp / "loop", interval=10 ** 6)
+    ctx = {"cm": None}
+
+    def step(batch):
+        if ctx["cm"] is None:
+            ctx["cm"] = hm.collect()
+            ctx["cm"].__enter__()
+        example_losses(model(input_ids=batch), batch).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def end():
+        # leaving collect() runs the callbacks' flush: the block's records go to disk here
+        ctx["cm"].__exit__(None, None, None)
+        ctx["cm"] = None
+
+    return step, end, "sum"
+
+
+# ---------------------------------------------------------------------------------------------------
+# dattri (LoGra)
+
+
+class _WithLoss(torch.nn.Module):
+    """dattri's LoGra computes query gradients as ``model(**batch).loss`` and rescales per-example
+    gradients by the batch size (HF mean convention), so the loss is the batch MEAN here."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        return SimpleNamespace(loss=example_losses(self.lm(input_ids), input_ids).mean())
+
+
+class _DictDS(torch.utils.data.Dataset):
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i]}
+
+
+def dattri_attr(w, model, train, query, tmp: Path) -> dict:
+    from dattri.algorithm.logra import LoGraAttributor
+    from dattri.task import AttributionTask
+    from torch.utils.data import DataLoader
+
+    wrapped = _WithLoss(model)
+    task = AttributionTask(loss_func=lambda m, batch, device: m(**batch).loss, model=wrapped,
+                           checkpoints=wrapped.state_dict())
+    tr = DataLoader(_DictDS(train), batch_size=w.batch, shuffle=False)
+    qd = DataLoader(_DictDS(query), batch_size=w.batch, shuffle=False)
+    # proj_dim = k·k per layer (sqrt per factor); "Identity" Hessian = projected graddot
+    attr = LoGraAttributor(task=task, layer_names=[f"lm.{n}" for n in linear_names(model)], hessian="Identity",
+                           device="cpu", proj_dim=w.k * w.k, offload="cpu", cache_dir=str(tmp / "cache"))
+    with Clock() as c_train:
+        attr.cache(tr)
+    with Clock() as c_query:
+        scores = attr.attribute(tr, qd).T.numpy()
+    # offload="disk" needs pinned memory (CUDA) in 0.3.0, so the store is held in RAM: its size is
+    # the projected rows it holds, k·k fp32 per layer
+    held = len(train) * w.k * w.k * len(linear_names(model)) * 4
+    return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": held, "scores": scores,
+            "settings": f"LoGraAttributor proj_dim={w.k * w.k} hessian=Identity offload=cpu (disk offload needs "
+                        "CUDA pinned memory; bytes/ex = the rows it holds in RAM)"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# traker (TRAK)
+
+
+def traker_attr(w, model, train, query, tmp: Path) -> dict:
+    from trak import TRAKer
+    from trak.modelout_functions import AbstractModelOutput
+    from trak.projectors import BasicProjector, ProjectionType
+
+    class NegLoss(AbstractModelOutput):
+        """f = −(summed CE) with a constant out-to-loss term: TRAK's features are then the projected
+        per-example loss gradients (up to sign), the same quantity every other system stores."""
+
+        def __init__(self):
+            super().__init__()
+
+        @staticmethod
+        def get_output(model, weights, buffers, input_ids):
+            ids = input_ids.unsqueeze(0)
+            logits = torch.func.functional_call(model, (weights, buffers), args=(ids,))
+            return -example_losses(logits, ids).sum()
+
+        def get_out_to_loss_grad(self, model, weights, buffers, batch):
+            return torch.ones(batch[0].shape[0], 1)
+
+    names = linear_names(model)
+    grad_wrt = [f"{n}.weight" for n in names]
+    params = dict(model.named_parameters())
+    grad_dim = sum(params[n].numel() for n in grad_wrt)
+    k_total = w.k * w.k * len(names)                     # the same floats per example as the others
+    # CPU forces BasicProjector (normal); block_size < proj_dim avoids its free_memory() bug
+    proj = BasicProjector(grad_dim=grad_dim, proj_dim=k_total, seed=0, block_size=min(100, k_total // 2),
+                          proj_type=ProjectionType.normal, device="cpu", dtype=torch.float32)
+    n, q = len(train), len(query)
+    traker = TRAKer(model=model, task=NegLoss(), train_set_size=n + q, save_dir=str(tmp / "trak"), device="cpu",
+                    projector=proj, use_half_precision=False, grad_wrt=grad_wrt, lambda_reg=w.damping)
+    ckpt = {k: v.clone() for k, v in model.state_dict().items()}
+    traker.load_checkpoint(ckpt, model_id=0)
+    with Clock() as c_train:
+        for lo in range(0, n, w.batch):
+            batch = train[lo:lo + w.batch]
+            traker.featurize(batch=(batch,), num_samples=len(batch))
+    # the queries' features, stored as extra rows, give the graddot agreement (TRAK's own score
+    # applies (ΦᵀΦ + λI)⁻¹, a different estimator)
+    for lo in range(0, q, w.batch):
+        traker.featurize(batch=(query[lo:lo + w.batch],), num_samples=len(query[lo:lo + w.batch]))
+    store_bytes = dir_bytes(tmp / "trak")
+    traker.finalize_features()
+    feats = torch.as_tensor(np.asarray(traker.saver.current_store["grads"][:]), dtype=torch.float32)
+    scores = (feats[n:] @ feats[:n].T).numpy()
+    with Clock() as c_query:
+        traker.start_scoring_checkpoint(exp_name="q", checkpoint=ckpt, model_id=0, num_targets=q)
+        traker.score(batch=(query,), num_samples=q)
+        traker.finalize_scores(exp_name="q")
+    return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": store_bytes * n // (n + q),
+            "scores": scores, "settings": f"TRAKer BasicProjector normal proj_dim={k_total} (whole model), "
+                                          f"lambda_reg={w.damping}; agreement from its stored features"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# kronfluence
+
+
+def kronfluence_attr(w, model, train, query, tmp: Path) -> dict:
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from kronfluence.task import Task
+    from torch.utils.data import TensorDataset
+
+    names = linear_names(model)
+
+    class LMTask(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            (ids,) = batch
+            return example_losses(model(ids), ids).sum()
+
+        def compute_measurement(self, batch, model):
+            (ids,) = batch
+            return example_losses(model(ids), ids).sum()
+
+        def get_influence_tracked_modules(self):
+            return names
+
+    task = LMTask()
+    model = prepare_model(model, task)
+    an = Analyzer("peers", model=model, task=task, cpu=True, output_dir=str(tmp / "kf"), disable_tqdm=True,
+                  log_level=logging.WARNING)
+    # Kronfluence stores no per-example gradient: the score pass recomputes every train gradient
+    # against the (preconditioned) query gradients. "identity" = graddot, exact (no projection).
+    an.fit_all_factors(factors_name="identity", dataset=TensorDataset(train), per_device_batch_size=w.batch,
+                       factor_args=FactorArguments(strategy="identity"), overwrite_output_dir=True)
+    with Clock() as c_query:
+        an.compute_pairwise_scores(scores_name="s", factors_name="identity", query_dataset=TensorDataset(query),
+                                   train_dataset=TensorDataset(train), per_device_query_batch_size=w.batch,
+                                   per_device_train_batch_size=w.batch,
+                                   score_args=ScoreArguments(damping_factor=w.damping), overwrite_output_dir=True)
+        scores = an.load_pairwise_scores("s")["all_modules"].numpy()
+    return {"train_s": c_query.seconds, "query_s": c_query.seconds, "store_bytes": 0, "scores": scores,
+            "settings": f"strategy=identity (exact graddot, no projection), damping_factor={w.damping}; "
+                        "no store: every query pass recomputes all train gradients (train_s = that pass)"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# LogIX
+
+
+def _logix_run(w, model, tmp: Path, name: str):
+    from logix import LogIX
+    from logix.statistic import Log
+
+    cfg = tmp / f"{name}.yaml"
+    # rank r = k: the logged gradient of the r×r bottleneck is k·k floats per layer
+    cfg.write_text(f"root_dir: {tmp}\nlora:\n  init: random\n  rank: {w.k}\n")
+    run = LogIX(name, config=str(cfg))
+    run.watch(model, name_filter=linear_names(model))   # NB: freezes every untracked parameter
+    run.add_lora()
+    run.setup({"grad": [Log]})
+    run.save(True)
+    return run
+
+
+def logix_attr(w, model, train, query, tmp: Path) -> dict:
+    with Clock() as c_train:
+        run = _logix_run(w, model, tmp, "attr")
+        for lo in range(0, len(train), w.batch):
+            batch = train[lo:lo + w.batch]
+            with run(data_id=[str(i) for i in range(lo, lo + len(batch))]):
+                model.zero_grad()
+                example_losses(model(batch), batch).sum().backward()
+        run.finalize()
+    with Clock() as c_query:
+        run.eval()
+        loader = run.build_log_dataloader(batch_size=64)
+        with run(data_id=[f"q{i}" for i in range(len(query))]):
+            model.zero_grad()
+            example_losses(model(query), query).sum().backward()
+        res = run.compute_influence_all(run.get_log(), loader, mode="dot", precondition=False)
+    ids = [int(i) for i in res["tgt_ids"]] if "tgt_ids" in res else list(range(len(train)))
+    scores = np.asarray(res["influence"])[:, np.argsort(ids)]
+    return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "attr"),
+            "scores": scores, "settings": f"LoRA init=random rank={w.k}, save=grad, mode=dot, no preconditioning"}
+
+
+def logix_loop(w, model, opt, tmp: Path):
+    run = _logix_run(w, model, tmp, "loop")
+    state = {"seen": 0}
+
+    def step(batch):
+        with run(data_id=[str(i) for i in range(state["seen"], state["seen"] + len(batch))]):
+            example_losses(model(batch), batch).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["seen"] += len(batch)
+
+    return step, run.logger.finalize, "sum"
+
+
+SYSTEMS = {
+    "olmo_tda": {"attr": olmo_tda_attr, "loop": olmo_tda_loop},
+    "olmo_tda_eigen": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True)},
+    "dattri_llm": {"attr": dattri_llm_attr, "loop": dattri_llm_loop},
+    "dattri": {"attr": dattri_attr},
+    "traker": {"attr": traker_attr},
+    "kronfluence": {"attr": kronfluence_attr},
+    "logix": {"attr": logix_attr, "loop": logix_loop},
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_attr(system: str, workdir: Path, out: Path) -> dict:
+    w, model, train, query = load(workdir)
+    warm_up(model, train[:w.batch])
+    base = peak_rss_mb()
+    with tempfile.TemporaryDirectory(prefix=f"peers_{system}_") as tmp:
+        r = SYSTEMS[system]["attr"](w, model, train, query, Path(tmp))
+    scores = np.asarray(r.pop("scores"), dtype=np.float64)
+    if scores.shape != (len(query), len(train)):
+        raise RuntimeError(f"{system} returned scores of shape {scores.shape}, expected {(len(query), len(train))}")
+    np.save(out.with_suffix(".npy"), scores)
+    peak = peak_rss_mb()
+    return {**r, "examples_per_s": len(train) / r["train_s"], "bytes_per_example": r["store_bytes"] / len(train),
+            "peak_rss_mb": peak, "peak_over_model_mb": peak - base}
+
+
+def run_overhead(system: str, workdir: Path, out: Path, rounds: int = 6, block: int = 6) -> dict:
+    w, model, train, _ = load(workdir)
+    if "loop" not in SYSTEMS[system]:
+        raise NotImplementedError(f"{system} has no in-loop capture: it only runs post hoc from a checkpoint")
+    plain, captured = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    opt_c = torch.optim.AdamW(captured.parameters(), lr=1e-4)
+    with tempfile.TemporaryDirectory(prefix=f"peers_{system}_loop_") as tmp:
+        cap_step, cap_end, form = SYSTEMS[system]["loop"](w, captured, opt_c, Path(tmp))
+
+        def plain_step(batch):
+            loss = example_losses(plain(batch), batch).sum()
+            (loss / len(batch) if form == "mean" else loss).backward()
+            opt_p.step()
+            opt_p.zero_grad(set_to_none=True)
+
+        arms = {"plain": (plain_step, lambda: None), "capture": (cap_step, cap_end)}
+        times = {"plain": [], "capture": []}
+        nb = len(train) // w.batch
+        b = 0
+        for r in range(rounds + 1):                       # round 0 warms up
+            for arm in (("plain", "capture") if r % 2 else ("capture", "plain")):
+                step, end = arms[arm]
+                with Clock() as c:
+                    for _ in range(block):
+                        step(train[(b % nb) * w.batch:(b % nb + 1) * w.batch])
+                        b += 1
+                    end()
+                if r:
+                    times[arm].append(c.seconds / block)
+    med = {a: float(np.median(t)) for a, t in times.items()}
+    return {"plain_step_s": med["plain"], "capture_step_s": med["capture"], "overhead": med["capture"] / med["plain"] - 1,
+            "samples": times, "peak_rss_mb": peak_rss_mb()}
+
+
+def main(argv: list[str]) -> int:
+    system, mode, workdir, out = argv[0], argv[1], Path(argv[2]), Path(argv[3])
+    threads()
+    try:
+        result = run_attr(system, workdir, out) if mode == "attr" else run_overhead(system, workdir, out)
+        result["ok"] = True
+    except Exception as exc:                 # reported as that system's failure, with the reason
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    result.update(system=system, mode=mode, torch=torch.__version__)
+    out.write_text(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

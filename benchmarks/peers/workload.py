@@ -1,0 +1,242 @@
+"""The one workload every system in the peers benchmark runs: model, data, loss, and ground truth.
+
+This module imports only torch and numpy, because it runs inside every peer's own venv, next to that
+peer, where olmo_tda is not installed.
+
+- Model: a small causal LM made only of plain ``nn.Linear`` layers (bias-free, so no library's bias
+  convention matters), with token and position embeddings, LayerNorm, and causal attention.
+- Scored layers: every ``nn.Linear`` weight. These are the layers all five peers can hook.
+- Loss: next-token cross-entropy summed over the positions of an example. Each example's gradient
+  is the gradient of its own summed loss.
+- Data: byte-level passages of real text. The orchestrator cuts them once and saves them, so every
+  process reads the same tensors.
+- Ground truth: exact per-example gradients from ``torch.func.vmap(grad)`` over the scored weights,
+  and their dot products.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Workload:
+    vocab: int = 256
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    mlp_ratio: int = 4
+    seq_len: int = 64
+    n_train: int = 1024
+    n_query: int = 16
+    batch: int = 16
+    k: int = 8
+    """Projection width per side of each layer: every system stores k·k = 64 floats per layer."""
+    damping: float = 1e-3
+    warmup_steps: int = 150
+    seed: int = 0
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "Workload":
+        return cls(**json.loads(path.read_text()))
+
+
+class Block(nn.Module):
+    def __init__(self, w: Workload):
+        super().__init__()
+        d = w.d_model
+        self.heads = w.n_heads
+        self.ln1 = nn.LayerNorm(d)
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, w.mlp_ratio * d, bias=False)
+        self.down = nn.Linear(w.mlp_ratio * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+        split = lambda y: y.view(b, t, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        # explicit causal attention: SDPA has no vmap batching rule on CPU (TRAK and the exact
+        # gradients run under torch.func.vmap)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        a = att.softmax(dim=-1) @ v
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, w: Workload):
+        super().__init__()
+        self.wte = nn.Embedding(w.vocab, w.d_model)
+        self.wpe = nn.Embedding(w.seq_len, w.d_model)
+        self.blocks = nn.ModuleList(Block(w) for _ in range(w.n_layers))
+        self.ln_f = nn.LayerNorm(w.d_model)
+        self.head = nn.Linear(w.d_model, w.vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The scored layers, in module order."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def example_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B] next-token cross-entropy summed over each example's positions."""
+    v = logits.shape[-1]
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, v), input_ids[:, 1:].reshape(-1), reduction="none")
+    return ce.view(input_ids.shape[0], -1).sum(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# workdir: the orchestrator writes it once; every process reads it
+
+
+def load(workdir: Path) -> tuple[Workload, TinyLM, torch.Tensor, torch.Tensor]:
+    """(workload, model at the trained checkpoint in eval mode, train ids [N, T], query ids [Q, T])."""
+    w = Workload.load(workdir / "workload.json")
+    data = torch.load(workdir / "data.pt", weights_only=True)
+    model = TinyLM(w)
+    model.load_state_dict(torch.load(workdir / "model.pt", weights_only=True))
+    model.eval()
+    return w, model, data["train"], data["query"]
+
+
+def text_passages(seq_len: int, count: int, seed: int) -> torch.Tensor:
+    """``count`` byte passages of ``seq_len`` from this Python's own standard-library sources
+    (the same files on every machine with this interpreter; no download)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py"))
+    blob = b"\n".join(p.read_bytes() for p in files)
+    rng = np.random.default_rng(seed)
+    starts = rng.choice(len(blob) - seq_len, size=count, replace=False)
+    arr = np.frombuffer(blob, dtype=np.uint8)
+    return torch.from_numpy(np.stack([arr[s:s + seq_len] for s in starts]).astype(np.int64))
+
+
+def prepare(workdir: Path, w: Workload) -> None:
+    """Data, a briefly trained checkpoint (gradients at initialization are atypical), and the
+    exact scores: everything the systems share."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(w.seed)
+    ids = text_passages(w.seq_len, w.n_train + w.n_query + w.warmup_steps * w.batch, w.seed)
+    train, query = ids[:w.n_train], ids[w.n_train:w.n_train + w.n_query]
+    warm = ids[w.n_train + w.n_query:]
+    model = TinyLM(w)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for i in range(w.warmup_steps):
+        batch = warm[i * w.batch:(i + 1) * w.batch]
+        opt.zero_grad(set_to_none=True)
+        example_losses(model(batch), batch).mean().backward()
+        opt.step()
+    w.save(workdir / "workload.json")
+    torch.save({"train": train, "query": query}, workdir / "data.pt")
+    torch.save(model.state_dict(), workdir / "model.pt")
+    model.eval()
+    exact = exact_scores(model, train, query)
+    np.save(workdir / "exact.npy", exact.numpy())
+
+
+def exact_gradients(model: TinyLM, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """[N, D] exact per-example gradients of the scored weights (torch.func, no projection)."""
+    names = [f"{n}.weight" for n in linear_names(model)]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    scored = {n: params[n] for n in names}
+    rest = {n: p for n, p in params.items() if n not in scored}
+
+    def loss(weights, x):
+        x = x.unsqueeze(0)
+        logits = torch.func.functional_call(model, {**rest, **weights}, (x,))
+        return example_losses(logits, x).sum()
+
+    per_example = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))
+    rows = []
+    for lo in range(0, len(ids), chunk):
+        g = per_example(scored, ids[lo:lo + chunk])
+        rows.append(torch.cat([g[n].reshape(len(ids[lo:lo + chunk]), -1) for n in names], dim=1))
+    return torch.cat(rows)
+
+
+def exact_scores(model: TinyLM, train: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """[Q, N] exact GradDot: ⟨∇L_q, ∇L_i⟩ over every scored weight."""
+    return exact_gradients(model, query) @ exact_gradients(model, train).T
+
+
+# ---------------------------------------------------------------------------------------------------
+# measuring helpers
+
+
+def spearman_rows(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over rows of the Spearman rank correlation of ``a[q]`` with ``b[q]``."""
+    def ranks(x):
+        r = np.empty_like(x, dtype=np.float64)
+        r[np.argsort(x, kind="stable")] = np.arange(len(x))
+        return r
+    vals = []
+    for x, y in zip(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)):
+        rx, ry = ranks(x), ranks(y)
+        rx -= rx.mean()
+        ry -= ry.mean()
+        vals.append(float((rx * ry).sum() / math.sqrt((rx * rx).sum() * (ry * ry).sum())))
+    return float(np.mean(vals))
+
+
+def peak_rss_mb() -> float:
+    """High-water resident memory of this process (``VmHWM``; unlike ``ru_maxrss`` it is not
+    inherited from the parent across exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def warm_up(model: nn.Module, ids: torch.Tensor) -> None:
+    """One untimed forward+backward: torch's own one-time kernel setup is nobody's cost."""
+    example_losses(model(ids), ids).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+class Clock:
+    """Wall seconds of a ``with`` block."""
+
+    def __enter__(self) -> "Clock":
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0
+
+
+def threads() -> None:
+    """Same intra-op thread count in every process (the machine's cores, or OMP_NUM_THREADS)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))

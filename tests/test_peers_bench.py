@@ -1,0 +1,131 @@
+"""The peers benchmark's own pieces: its ground truth, our adapter, failure rows, doc regeneration.
+
+The peers themselves live in venvs that CI does not build (they are large and need the network);
+`python benchmarks/peers/run.py` creates them. These tests pin down what every peer's number is
+measured against: the exact scores, and the Spearman that compares with them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS))
+
+import workload as W  # noqa: E402
+
+TINY = W.Workload(d_model=32, n_heads=2, n_layers=1, seq_len=16, n_train=24, n_query=3, batch=8, k=0,
+                  warmup_steps=5)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("peers_work")
+    W.prepare(d, TINY)
+    return d
+
+
+def test_exact_gradients_match_per_example_backward(workdir):
+    w, model, train, query = W.load(workdir)
+    got = W.exact_gradients(model, train[:5])
+    names = W.linear_names(model)
+    for i in range(5):
+        model.zero_grad(set_to_none=True)
+        W.example_losses(model(train[i:i + 1]), train[i:i + 1]).sum().backward()
+        want = torch.cat([getattr_path(model, n).weight.grad.reshape(-1) for n in names])
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+    exact = np.load(workdir / "exact.npy")
+    assert exact.shape == (TINY.n_query, TINY.n_train)
+    full = W.exact_gradients(model, query) @ W.exact_gradients(model, train).T
+    np.testing.assert_allclose(exact, full.numpy(), rtol=1e-4, atol=1e-3)
+
+
+def getattr_path(model, name):
+    for part in name.split("."):
+        model = getattr(model, part)
+    return model
+
+
+def test_spearman_rows_matches_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(4, 50)), rng.normal(size=(4, 50))
+    b[1] = a[1] * 3 + 1          # monotone: 1
+    b[2] = -a[2]                 # reversed: -1
+    want = np.mean([stats.spearmanr(x, y)[0] for x, y in zip(a, b)])
+    assert W.spearman_rows(a, b) == pytest.approx(want, abs=1e-12)
+    assert W.spearman_rows(a[1:2], b[1:2]) == pytest.approx(1.0)
+    assert W.spearman_rows(a[2:3], b[2:3]) == pytest.approx(-1.0)
+
+
+def test_our_adapter_unprojected_equals_exact(workdir, tmp_path):
+    """k=0: the olmo_tda worker's scores (capture → HDF5 store → attribute) are the exact scores."""
+    out = tmp_path / "ours.json"
+    subprocess.run([sys.executable, str(PEERS / "worker.py"), "olmo_tda", "attr", str(workdir), str(out)],
+                   check=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["ok"], res.get("traceback")
+    scores, exact = np.load(out.with_suffix(".npy")), np.load(workdir / "exact.npy")
+    np.testing.assert_allclose(scores, exact, rtol=1e-3, atol=1e-3 * np.abs(exact).max())
+    assert res["examples_per_s"] > 0 and res["bytes_per_example"] > 0 and res["peak_rss_mb"] > 0
+
+
+def test_worker_reports_a_failure_with_its_reason(workdir, tmp_path):
+    out = tmp_path / "tr.json"
+    rc = subprocess.run([sys.executable, str(PEERS / "worker.py"), "traker", "overhead", str(workdir), str(out)],
+                        timeout=300).returncode
+    res = json.loads(out.read_text())
+    assert rc == 1 and not res["ok"] and "no in-loop capture" in res["error"]
+
+
+def test_missing_peer_becomes_a_failed_row():
+    import run as peers
+    import venvs
+
+    probe = venvs._probe(Path(sys.executable), "no_such_peer_module", "no-such-peer")
+    assert not probe["ok"] and "no_such_peer_module" in probe["reason"]
+    ok = {"ok": True, "examples_per_s": 100.0, "query_s": 0.5, "bytes_per_example": 10.0, "peak_rss_mb": 1.0,
+          "settings": "s"}
+    status = {"olmo_tda": {"ok": True, "version": "x"}, "traker": {"ok": False, "reason": probe["reason"]},
+              "logix": {"ok": True, "version": "0.1.1"}}
+    attr = {"olmo_tda": [ok], "traker": [], "logix": [{**ok, "examples_per_s": 50.0, "query_s": 1.0}]}
+    loop = {"olmo_tda": [{"ok": True, "overhead": 0.1, "plain_step_s": 1, "capture_step_s": 1.1}],
+            "logix": [{"ok": True, "overhead": 0.3, "plain_step_s": 1, "capture_step_s": 1.3}]}
+    rows = peers.summarize(["olmo_tda", "traker", "logix"], attr, loop, {"olmo_tda": 0.9, "logix": 0.5}, status)
+    assert not rows["traker"]["ok"] and "no_such_peer_module" in rows["traker"]["error"]
+    assert rows["logix"]["throughput_ratio"] == pytest.approx(2.0)
+    assert rows["logix"]["overhead_ratio"] == pytest.approx(3.0)
+    assert rows["logix"]["query_ratio"] == pytest.approx(2.0)
+    text = "\n".join(peers.table(rows))
+    assert "failed: install: import no_such_peer_module" in text and "| LogIX (logix-ai) | 0.1.1 | 50 | 2.0 |" in text
+
+
+def test_run_with_ours_only_prints_json(tmp_path):
+    out = subprocess.run([sys.executable, str(PEERS / "run.py"), "--systems", "olmo_tda", "--repeats", "1",
+                          "--n-train", "32", "--d-model", "32", "--seq-len", "16", "--out", str(tmp_path / "r.json")],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["systems"]["olmo_tda"]["ok"] and last["throughput_vs_dattri_llm"] is None
+    assert 0 < last["spearman_ours"] <= 1
+    full = json.loads((tmp_path / "r.json").read_text())
+    assert full["rows"]["olmo_tda"]["overhead"] is not None
+
+
+def test_run_all_rewrites_only_its_block():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.run_all import replace_block
+
+    doc = "# Benchmarks\n\nhand-written\n"
+    once = replace_block(doc, "peers", "table v1", "## Peers")
+    assert once.startswith(doc.rstrip()) and "## Peers" in once and "table v1" in once
+    twice = replace_block(once + "\nmore hand-written\n", "peers", "table v2", "## Peers")
+    assert "table v1" not in twice and "table v2" in twice and twice.count("## Peers") == 1
+    assert "more hand-written" in twice and "hand-written" in twice
