@@ -234,8 +234,9 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
     """Write and fsync shard ``(rank, seq)`` under its temp name; return ``(tmp_path, info)``.
 
     Each chunk is ``{"ids": int64[n], "steps": int64[n], "lr": float64[n], "loss_scale": float64[n],
-    "grads": [words [n, k_out, k_in] per layer in store order]}``, copied slice by slice into
-    preallocated datasets (no concatenated copy of the window). :func:`commit_shard` makes it visible.
+    "grads": [words [n, k_out, k_in] per layer in store order]}``; each layer's rows are joined (one
+    layer at a time, so the extra copy is that layer's share of the window) and written in one call.
+    :func:`commit_shard` makes it visible.
 
     HDF5 builds the file in memory and we write the bytes ourselves: libhdf5 does not survive a
     failed write (a full disk makes a later ``close`` or garbage collection segfault the process),
@@ -291,12 +292,11 @@ def _shard_image(rank: int, seq: int, chunks: list[dict[str, Any]], num_layers: 
                 # chunks of whole rows, ~1 MiB, so a block read decompresses little beyond the block
                 rows_per_chunk = max(1, min(n, (1 << 20) // max(1, int(np.prod(row_shape)) * 4)))
                 kwargs = {"compression": compression, "chunks": (rows_per_chunk, *row_shape)}
-            ds = group.create_dataset(f"L{i:04d}", shape=(n, *row_shape), dtype=disk_dtype(dtype), **kwargs)
-            lo = 0
-            for c in chunks:
-                words = c["grads"][i]
-                ds[lo:lo + len(words)] = words
-                lo += len(words)
+            # one write per layer: h5py's per-call cost (~0.2 ms) dominated when a window of small
+            # records was copied record by record (832 writes took 0.19 s of a 0.24 s shard). Joining
+            # one layer's rows at a time bounds the extra copy to that layer's share of the window.
+            words = chunks[0]["grads"][i] if len(chunks) == 1 else np.concatenate([c["grads"][i] for c in chunks])
+            group.create_dataset(f"L{i:04d}", data=words.astype(disk_dtype(dtype), copy=False), **kwargs)
     return image
 
 
