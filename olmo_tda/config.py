@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import fnmatch
 import types
 import typing
 import warnings
@@ -32,6 +33,7 @@ __all__ = [
     "StoreDType",
     "FactorRoute",
     "CaptureConfig",
+    "LayerOverride",
     "StoreConfig",
     "LossReduction",
     "BatchConfig",
@@ -114,6 +116,18 @@ def _check_types(obj: Any, path: str) -> None:
 
 
 @dataclass(kw_only=True)
+class LayerOverride:
+    """A different budget for some layers: their own ``proj_dim`` and/or ``rank``."""
+
+    modules: list[str] = field(default_factory=list)
+    """fnmatch patterns on the captured layers' names; the first override that matches a layer wins."""
+    proj_dim: int | tuple[int, int] | None = None
+    """``k`` or ``(k_out, k_in)`` for these layers (None: ``capture.proj_dim``)."""
+    rank: int | None = None
+    """LoRIF rank c for these layers (None: ``capture.rank``; 0: dense)."""
+
+
+@dataclass(kw_only=True)
 class CaptureConfig:
     """What is captured: which Linear layers, projected how."""
 
@@ -143,6 +157,9 @@ class CaptureConfig:
     and, when the file does not exist yet, estimates it before the first step."""
     basis_batches: int = 4
     """Training batches (per rank) a run uses to estimate a missing eigenbasis, at its initial weights."""
+    overrides: list[LayerOverride] = field(default_factory=list)
+    """Per-layer budgets, e.g. ``[{modules: ["*ff_out"], proj_dim: 64, rank: 3}]``: give the layers
+    that carry most of the score (an LM's output head) more of the bytes. First match wins."""
 
     def validate(self, path: str = "capture", *, require_basis: bool = True) -> None:
         """``require_basis=False``: the ``tda:`` section of a training run, which supplies a default
@@ -163,17 +180,50 @@ class CaptureConfig:
         if self.basis and self.proj_type is not ProjectionType.EIGEN:
             warnings.warn(f"{path}.basis is ignored: proj_type is {self.proj_type.value!r}, not 'eigen'", stacklevel=2)
         _check(len(self.modules) > 0, f"{path}.modules", "needs at least one pattern ('*' = all)")
+        for i, o in enumerate(self.overrides):
+            where = f"{path}.overrides[{i}]"
+            _check(len(o.modules) > 0, f"{where}.modules", "needs at least one pattern")
+            _check(o.proj_dim is not None or o.rank is not None, where, "sets neither proj_dim nor rank")
+            if o.proj_dim is not None:
+                d = _dims(o.proj_dim)
+                _check(all(x >= 0 for x in d) and (d[0] == 0) == (d[1] == 0), f"{where}.proj_dim",
+                       f"must be >= 0 on both sides, or 0 on both (exact), got {o.proj_dim!r}")
+                _check((d == (0, 0)) == self.exact or self.proj_type is not ProjectionType.EIGEN, f"{where}.proj_dim",
+                       "an eigen capture cannot mix exact and projected layers (the basis would be partial)")
+            _check(o.rank is None or o.rank >= 0, f"{where}.rank", f"must be >= 0 (0 = dense), got {o.rank}")
 
     @property
     def proj_dims(self) -> tuple[int, int]:
         """``(k_out, k_in)``."""
-        if isinstance(self.proj_dim, int):
-            return (self.proj_dim, self.proj_dim)
-        return (int(self.proj_dim[0]), int(self.proj_dim[1]))
+        return _dims(self.proj_dim)
 
     @property
     def exact(self) -> bool:
         return self.proj_dims == (0, 0)
+
+    def override_for(self, name: str) -> LayerOverride | None:
+        return next((o for o in self.overrides if any(fnmatch.fnmatchcase(name, p) for p in o.modules)), None)
+
+    def dims_for(self, name: str) -> tuple[int, int]:
+        """``(k_out, k_in)`` of layer ``name``, overrides applied."""
+        o = self.override_for(name)
+        return _dims(o.proj_dim) if o is not None and o.proj_dim is not None else self.proj_dims
+
+    def rank_for(self, name: str) -> int:
+        o = self.override_for(name)
+        return o.rank if o is not None and o.rank is not None else self.rank
+
+    @property
+    def max_dims(self) -> tuple[int, int]:
+        """The widest ``(k_out, k_in)`` any layer asks for (what an eigenbasis must keep)."""
+        dims = [self.proj_dims] + [_dims(o.proj_dim) for o in self.overrides if o.proj_dim is not None]
+        return (max(d[0] for d in dims), max(d[1] for d in dims))
+
+
+def _dims(proj_dim: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(proj_dim, int):
+        return (proj_dim, proj_dim)
+    return (int(proj_dim[0]), int(proj_dim[1]))
 
 
 @dataclass(kw_only=True)

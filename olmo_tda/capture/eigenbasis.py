@@ -479,14 +479,14 @@ def estimate_eigenbasis(model: nn.Module, batches: Iterable[Any], loss_fn: Calla
         loss_fn: ``loss_fn(model, batch)`` → the batch's **summed** token loss (a scalar tensor).
         config: the capture config: layer selection (``modules``/``exclude``), ``include_bias``, and
             ``proj_dim`` as the default ``k``.
-        k: eigenvectors kept per side (default ``config.proj_dims``); capture may later use any
-            smaller k with the same file.
+        k: eigenvectors kept per side (default: the widest ``proj_dim`` of ``config``, overrides
+            included); capture may later use any smaller k with the same file.
         distributed: every rank calls with its own batches; covariances are summed over the default
             process group and rank 0's matrices broadcast, so all ranks return the identical basis.
 
     Returns an :class:`EigenBasis` (``.save(path)`` freezes it for ``capture.basis``).
     """
-    k = config.proj_dims if k is None else k
+    k = config.max_dims if k is None else k
     if (k if isinstance(k, int) else min(k)) < 1:
         raise ValueError(f"k must be >= 1 per side (capture.proj_dim is {config.proj_dim!r}; 0 means exact)")
     covs = estimate_covariances(model, batches, loss_fn, config, distributed=distributed)

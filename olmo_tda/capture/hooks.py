@@ -253,12 +253,17 @@ class GradientCapture:
         self._layer_ranks: dict[str, int] | None = None
         self.modules: dict[str, nn.Linear] = select_linears(model, self.config) if enabled else {}
         self._with_bias = {n: self.config.include_bias and m.bias is not None for n, m in self.modules.items()}
-        k = self.config.proj_dims
         self.projectors: dict[str, Projector] = {
-            name: make_projector(name, m.out_features, m.in_features + self._with_bias[name], k,
-                                 self.config.proj_type, self.config.seed, basis=self.config.basis)
+            name: make_projector(name, m.out_features, m.in_features + self._with_bias[name],
+                                 self.config.dims_for(name), self.config.proj_type, self.config.seed,
+                                 basis=self.config.basis)
             for name, m in self.modules.items()
         }
+        unused = [o.modules for o in self.config.overrides
+                  if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
+        if unused:
+            log.warning("capture.overrides %s match no captured layer (captured: %s ...)", unused,
+                        list(self.modules)[:4])
         if enabled:
             self._attach()
 
@@ -288,7 +293,7 @@ class GradientCapture:
             raise CaptureError(f"layer {name} got an unbatched input of shape {tuple(acts.shape)}; capture "
                                "needs a leading batch dimension ([B, ..., features])")
         proj = self.projectors[name].to(acts.device)
-        with torch.autocast(acts.device.type, enabled=False):
+        with _fp32(acts.device.type):
             acts_BTKi = proj.project_in(acts.reshape(acts.shape[0], -1, acts.shape[-1]).float(),
                                         self._with_bias[name])
         # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
@@ -313,7 +318,7 @@ class GradientCapture:
                 f"{self._pending_forwards} forwards: its examples cannot be told apart. Use "
                 "checkpoint(..., use_reentrant=False) (OLMo's default), or one backward per forward")
         proj = self.projectors[name]
-        with torch.autocast(grad.device.type, enabled=False):
+        with _fp32(grad.device.type):
             grads_BTKo = proj.project_out(grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float())
             rank = self.layer_ranks[name]
             if rank and self._keep_tokens(grads_BTKo.shape[1], proj.k_out, proj.k_in, rank):
@@ -398,12 +403,13 @@ class GradientCapture:
 
     @property
     def layer_ranks(self) -> dict[str, int]:
-        """``{name: c}`` of layers stored as rank-c LoRIF factors (0: dense). ``capture.rank`` applies
-        where ``c·(Ko+Ki) < Ko·Ki``; elsewhere the dense gradient is smaller and exact."""
+        """``{name: c}`` of layers stored as rank-c LoRIF factors (0: dense). ``capture.rank`` (or the
+        layer's override) applies where ``c·(Ko+Ki) < Ko·Ki``; elsewhere the dense gradient is smaller
+        and exact."""
         if self._layer_ranks is None:
-            c = self.config.rank
+            ranks = {n: self.config.rank_for(n) for n in self.layer_shapes}
             self._layer_ranks = {n: c if c and c * (ko + ki) < ko * ki else 0
-                                 for n, (ko, ki) in self.layer_shapes.items()}
+                                 for (n, (ko, ki)), c in zip(self.layer_shapes.items(), ranks.values())}
         return self._layer_ranks
 
     @property
@@ -465,6 +471,13 @@ def activation_grads_only(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for p, flag in saved.items():
             p.requires_grad_(flag)
+
+
+def _fp32(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off for capture's own math — entered only when autocast is on (entering and leaving
+    the context costs ~20 us, twice per layer per step)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+        else contextlib.nullcontext()
 
 
 def _in_backward() -> bool:
