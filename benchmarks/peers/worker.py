@@ -42,25 +42,30 @@ logging.disable(logging.WARNING)
 # olmo_tda
 
 
-def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False) -> dict:
+def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, head_budget: bool = False) -> dict:
     from olmo_tda import CaptureConfig, GradientCapture
     from olmo_tda.capture import activation_grads_only, estimate_eigenbasis
-    from olmo_tda.config import ProjectionType, StoreConfig
+    from olmo_tda.config import LayerOverride, ProjectionType, StoreConfig
     from olmo_tda.methods import attribute
     from olmo_tda.store import GradientStore
 
     with Clock() as c_train:
         if eigen:
+            # the same floats per layer as everyone (k·k), spent as LoRIF rank-1 factors of a wider
+            # eigen projection: k' = k·k/2 per side, A [k', 1] and B [k', 1]
+            cfg = CaptureConfig(proj_dim=w.k * w.k // 2, proj_type=ProjectionType.EIGEN, rank=1)
+            if head_budget:
+                # the output head carries most of the gradient (74% of the KFAC energy tr E[ggᵀ]·tr E[aaᵀ]
+                # of the basis batches here; 65% of the score mass in fidelity_bytes.py): it gets
+                # k=8k, rank 3, every other layer k=2k, rank 1 — 768 floats in all here, fewer than
+                # the others' 832
+                cfg.proj_dim, cfg.overrides = 2 * w.k, [LayerOverride(modules=["head"], proj_dim=8 * w.k, rank=3)]
             # data-aware projection: the KFAC eigenbasis of each layer, from 4 batches at these
             # weights (its cost is counted in the train pass)
             batches = [train[i * w.batch:(i + 1) * w.batch] for i in range(4)]
-            basis = estimate_eigenbasis(model, batches, lambda m, b: example_losses(m(b), b).sum(),
-                                        CaptureConfig(proj_dim=w.k * w.k // 2))
+            basis = estimate_eigenbasis(model, batches, lambda m, b: example_losses(m(b), b).sum(), cfg)
             basis.save(tmp / "basis.safetensors")
-            # the same floats per layer as everyone (k·k), spent as LoRIF rank-1 factors of a wider
-            # eigen projection: k' = k·k/2 per side, A [k', 1] and B [k', 1]
-            cfg = CaptureConfig(proj_dim=w.k * w.k // 2, proj_type=ProjectionType.EIGEN, rank=1,
-                                basis=str(tmp / "basis.safetensors"))
+            cfg.basis = str(tmp / "basis.safetensors")
         else:
             cfg = CaptureConfig(proj_dim=w.k, seed=0)
         cap = GradientCapture(model, cfg)
@@ -80,9 +85,18 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False) -> 
     order = np.argsort(res.all_ids)
     scores = res.all_scores.numpy()[:, order]
     cap.remove()
-    kind = (f"proj_dim={w.k * w.k // 2}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank=1"
-            if eigen else f"proj_dim={w.k}, orthogonal random")
+    # the floor every system shares: the same forward+backward with nothing captured
+    with Clock() as c_bare, activation_grads_only(model):
+        for lo in range(0, len(train), w.batch):
+            batch = train[lo:lo + w.batch]
+            example_losses(model(batch), batch).sum().backward()
+    model.zero_grad(set_to_none=True)
+    kind = f"proj_dim={w.k}, orthogonal random"
+    if eigen:
+        kind = (f"proj_dim={cfg.proj_dim}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank=1"
+                + (f", overrides=[head: proj_dim={8 * w.k}, rank=3]" if head_budget else ""))
     return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "store"),
+            "bare_pass_examples_per_s": len(train) / c_bare.seconds,
             "scores": scores, "settings": f"CaptureConfig({kind}), graddot, fp32 HDF5 store"}
 
 
@@ -386,6 +400,7 @@ def logix_loop(w, model, opt, tmp: Path):
 SYSTEMS = {
     "olmo_tda": {"attr": olmo_tda_attr, "loop": olmo_tda_loop},
     "olmo_tda_eigen": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True)},
+    "olmo_tda_head": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True, head_budget=True)},
     "dattri_llm": {"attr": dattri_llm_attr, "loop": dattri_llm_loop},
     "dattri": {"attr": dattri_attr},
     "traker": {"attr": traker_attr},
