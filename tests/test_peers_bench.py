@@ -117,6 +117,7 @@ def test_run_with_ours_only_prints_json(tmp_path):
     assert 0 < last["spearman_ours"] <= 1
     full = json.loads((tmp_path / "r.json").read_text())
     assert full["rows"]["olmo_tda"]["overhead"] is not None
+    assert -1 <= full["rows"]["olmo_tda"]["influence_spearman"] <= 1
 
 
 def test_run_all_rewrites_only_its_block():
@@ -129,3 +130,19 @@ def test_run_all_rewrites_only_its_block():
     twice = replace_block(once + "\nmore hand-written\n", "peers", "table v2", "## Peers")
     assert "table v1" not in twice and "table v2" in twice and twice.count("## Peers") == 1
     assert "more hand-written" in twice and "hand-written" in twice
+
+
+def test_exact_influence_equals_the_explicit_damped_inverse():
+    """The ground truth of the curvature column: Woodbury on the N×N Gram = the explicit
+    per-layer (G_lᵀG_l/N + λ_l I)⁻¹ with λ_l = 0.1·tr(F_l)/D_l."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False), torch.nn.Linear(4, 2, bias=False))
+    gen = torch.Generator().manual_seed(0)
+    g_train, g_query = torch.randn(6, 20, generator=gen), torch.randn(2, 20, generator=gen)
+    got = W.exact_influence(model, g_train, g_query)
+    want = torch.zeros(2, 6, dtype=torch.float64)
+    for lo, size in ((0, 12), (12, 8)):
+        g, q = g_train[:, lo:lo + size].double(), g_query[:, lo:lo + size].double()
+        fisher = g.T @ g / 6
+        lam = W.RELATIVE_DAMPING * torch.trace(fisher) / size
+        want += q @ torch.linalg.inv(fisher + lam * torch.eye(size, dtype=torch.float64)) @ g.T
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)

@@ -43,7 +43,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import venvs  # noqa: E402
-from workload import Workload, prepare, spearman_rows  # noqa: E402
+from workload import RELATIVE_DAMPING, Workload, prepare, spearman_rows  # noqa: E402
 
 OURS = "olmo_tda"
 OURS_EIGEN = "olmo_tda_eigen"       # our data-aware projection at the same bytes (fidelity row)
@@ -114,17 +114,17 @@ def fmt(v, spec: str, none: str = "—") -> str:
 
 def table(rows: dict) -> list[str]:
     head = ("| system | version | ex/s | ours ×| step overhead | ours ×| bytes/ex | 16 queries s | ours ×"
-            "| peak RSS MB | Spearman vs exact |")
-    out = [head, "|" + "---|" * 11]
+            "| peak RSS MB | Spearman vs exact | influence Spearman |")
+    out = [head, "|" + "---|" * 12]
     for s, r in rows.items():
         if not r.get("ok"):
-            out.append(f"| {r['label']} | {r.get('version') or '—'} | failed: {r.get('error', '?')} |" + " |" * 8)
+            out.append(f"| {r['label']} | {r.get('version') or '—'} | failed: {r.get('error', '?')} |" + " |" * 9)
             continue
         ov = fmt(r.get("overhead"), "+.0%", "post hoc only")
         out.append(f"| {r['label']} | {r['version'] or '—'} | {r['examples_per_s']:.0f} | {fmt(r.get('throughput_ratio'), '.1f')} "
                    f"| {ov} | {fmt(r.get('overhead_ratio'), '.1f')} | {r['bytes_per_example']:.0f} "
                    f"| {r['query_s']:.2f} | {fmt(r.get('query_ratio'), '.1f')} | {r['peak_rss_mb']:.0f} "
-                   f"| {fmt(r.get('spearman'), '.3f')} |")
+                   f"| {fmt(r.get('spearman'), '.3f')} | {fmt(r.get('influence_spearman'), '.3f')} |")
     return out
 
 
@@ -148,6 +148,10 @@ def headline(rows: dict) -> dict:
         "spearman_ours_best": ours_best,
         "spearman_best_peer": same_bytes[best].get("spearman") if best else None,
         "best_peer": best,
+        "influence_spearman_ours_best": max((r.get("influence_spearman") or -1 for s, r in rows.items()
+                                             if s in OUR_ROWS), default=None),
+        "influence_spearman_best_peer": max((r.get("influence_spearman") or -1 for s, r in rows.items()
+                                             if s not in OUR_ROWS), default=None),
     }
 
 
@@ -173,7 +177,8 @@ def losses(rows: dict) -> list[str]:
         return ["olmo_tda itself failed: " + str(ours.get("error"))]
     checks = [("examples_per_s", "throughput", "{:.0f} ex/s", max), ("overhead", "step overhead", "{:+.0%}", min),
               ("bytes_per_example", "bytes per example", "{:.0f} B", min), ("query_s", "16-query time", "{:.2f} s", min),
-              ("peak_rss_mb", "peak memory", "{:.0f} MB", min), ("spearman", "agreement with exact", "{:.3f}", max)]
+              ("peak_rss_mb", "peak memory", "{:.0f} MB", min), ("spearman", "agreement with exact", "{:.3f}", max),
+              ("influence_spearman", "influence agreement with exact", "{:.3f}", max)]
     for s, r in rows.items():
         if s in OUR_ROWS or not r.get("ok"):
             continue
@@ -216,6 +221,11 @@ def markdown(result: dict) -> str:
                  f"{fmt(h['spearman_ours_best'], '.3f')} (best of ours); best peer "
                  f"{LABELS.get(h['best_peer'], '—')} {fmt(h['spearman_best_peer'], '.3f')}.")
     lines.append("")
+    lines.append(f"Curvature: influence with each system's own damped curvature at λ = {RELATIVE_DAMPING} × its mean "
+                 f"eigenvalue, against exact per-layer damped empirical-Fisher influence (unprojected, Woodbury): "
+                 f"best of ours {fmt(h['influence_spearman_ours_best'], '.3f')}, best peer "
+                 f"{fmt(h['influence_spearman_best_peer'], '.3f')}.")
+    lines.append("")
     lines.append("Where a peer beats olmo_tda (its default row) by more than 5% on this run:")
     lines += [f"- {item}" for item in losses(rows)] or ["- nowhere"]
     lines.append("")
@@ -223,6 +233,10 @@ def markdown(result: dict) -> str:
     for s, r in rows.items():
         why = r.get("settings") or r.get("error")
         extra = f" In-loop capture: {r['overhead_error']}." if r.get("overhead_error") else ""
+        if r.get("influence_settings"):
+            extra += f" Influence: {r['influence_settings']} ({r['influence_s']:.2f} s)."
+        elif r.get("influence_error"):
+            extra += f" Influence: {r['influence_error']}."
         lines.append(f"- {r['label']}: {why}.{extra}")
     return "\n".join(lines) + "\n"
 
@@ -265,6 +279,8 @@ def main(argv=None) -> dict:
         workdir = Path(tmp) / "work"
         prepare(workdir, w)
         exact = np.load(workdir / "exact.npy")
+        exact_infl = np.load(workdir / "exact_influence.npy")
+        infl: dict[str, dict] = {}
         spear: dict[str, list[float]] = {}
         for r in range(repeats):
             order = runnable[r % len(runnable):] + runnable[:r % len(runnable)]
@@ -276,6 +292,15 @@ def main(argv=None) -> dict:
                     spear.setdefault(s, []).append(spearman_rows(np.load(out.with_suffix(".npy")), exact))
                 print(f"[peers] repeat {r} {s:12s} attr: " + (f"{res['examples_per_s']:.0f} ex/s, query "
                       f"{res['query_s']:.2f} s" if res.get("ok") else f"FAILED {res.get('error')}"), file=sys.stderr)
+            if r == 0:                # curvature scores are deterministic: one pass per system
+                for s in order:
+                    out = Path(tmp) / f"{s}.infl.json"
+                    res = run_worker(status[s]["python"], s, "infl", workdir, out, args.timeout)
+                    infl[s] = res
+                    if res.get("ok"):
+                        res["spearman"] = spearman_rows(np.load(out.with_suffix(".npy")), exact_infl)
+                    print(f"[peers] {s:12s} influence: " + (f"Spearman {res['spearman']:.3f}, {res['infl_s']:.2f} s"
+                          if res.get("ok") else f"{res.get('error')}"), file=sys.stderr)
             for s in order:
                 if s not in IN_LOOP:
                     continue
@@ -285,6 +310,12 @@ def main(argv=None) -> dict:
                 print(f"[peers] repeat {r} {s:12s} loop: " + (f"overhead {res['overhead']:+.1%}" if res.get("ok")
                       else f"FAILED {res.get('error')}"), file=sys.stderr)
     rows = summarize(systems, attr, loop, {s: statistics.median(v) for s, v in spear.items()}, status)
+    for s, res in infl.items():
+        if res.get("ok"):
+            rows[s].update(influence_spearman=res["spearman"], influence_s=res["infl_s"],
+                           influence_settings=res.get("settings"))
+        else:
+            rows[s]["influence_error"] = res.get("error")
     cmd = "python benchmarks/peers/run.py" + (" --quick" if args.quick else "")
     result = {"rows": rows, "headline": headline(rows), "workload": asdict(w), "machine": machine(),
               "repeats": repeats, "seconds": time.perf_counter() - t0, "command": cmd}

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Clock, dir_bytes, example_losses, linear_names, load, peak_rss_mb, threads, warm_up  # noqa: E402
+from workload import (RELATIVE_DAMPING, Clock, dir_bytes, example_losses, linear_names, load,  # noqa: E402
+                      peak_rss_mb, threads, warm_up)
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -42,7 +43,8 @@ logging.disable(logging.WARNING)
 # olmo_tda
 
 
-def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, head_budget: bool = False) -> dict:
+def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, head_budget: bool = False,
+                  influence: bool = False) -> dict:
     from olmo_tda import CaptureConfig, GradientCapture
     from olmo_tda.capture import activation_grads_only, estimate_eigenbasis
     from olmo_tda.config import LayerOverride, ProjectionType, StoreConfig
@@ -81,7 +83,10 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
         with activation_grads_only(model):
             with cap.record(np.arange(len(query))) as qrec:
                 example_losses(model(query), query).sum().backward()
-        res = attribute(GradientStore.open(tmp / "store"), qrec, method="graddot", top_k=100, return_scores=True)
+        # influence: explicit per-layer projected Fisher, λ_l = 0.1·tr(F_l)/D_l (our default)
+        method = {"method": "influence", "hessian": "raw", "damping_ratio": RELATIVE_DAMPING} if influence \
+            else {"method": "graddot"}
+        res = attribute(GradientStore.open(tmp / "store"), qrec, top_k=100, return_scores=True, **method)
     order = np.argsort(res.all_ids)
     scores = res.all_scores.numpy()[:, order]
     cap.remove()
@@ -168,6 +173,28 @@ def dattri_llm_attr(w, model, train, query, tmp: Path) -> dict:
             "scores": scores, "settings": f"HookManager logra proj_dim={w.k} normal, TracInAttributor (graddot)"}
 
 
+def dattri_llm_infl(w, model, train, query, tmp: Path) -> dict:
+    from dattri_llm import AttributionArguments, EKFACAttributor, hash_batch
+
+    for ids, out in ((train, tmp / "train"), (query, tmp / "query")):
+        hm = _dattri_llm_manager(w, model, out, interval=32)
+        with hm.collect():
+            for lo in range(0, len(ids), w.batch):
+                batch = ids[lo:lo + w.batch]
+                model.zero_grad(set_to_none=True)
+                example_losses(model(input_ids=batch), batch).sum().backward()
+        hm.remove()
+    model.zero_grad(set_to_none=True)
+    args = AttributionArguments(output_dir=str(tmp / "attr"), per_device_train_batch_size=w.batch,
+                                per_device_eval_batch_size=w.batch, use_cpu=True, dataloader_pin_memory=False)
+    with Clock() as c:
+        s = EKFACAttributor(args).attribute_from_cache(str(tmp / "train"), str(tmp / "query"),
+                                                       damping=RELATIVE_DAMPING, relative_damping=True)
+    tr_h = sum((hash_batch({"input_ids": train[lo:lo + w.batch]}) for lo in range(0, len(train), w.batch)), [])
+    return {"infl_s": c.seconds, "scores": s.query(tr_h, hash_batch({"input_ids": query})).T.numpy(),
+            "settings": f"EKFACAttributor on the logra k={w.k} store, damping={RELATIVE_DAMPING}, relative_damping=True"}
+
+
 def dattri_llm_loop(w, model, opt, tmp: Path):
     hm = _dattri_llm_manager(w, model, tmp / "loop", interval=10 ** 6)
     ctx = {"cm": None}
@@ -240,11 +267,32 @@ def dattri_attr(w, model, train, query, tmp: Path) -> dict:
                         "CUDA pinned memory; bytes/ex = the rows it holds in RAM)"}
 
 
+def dattri_infl(w, model, train, query, tmp: Path) -> dict:
+    from dattri.algorithm.logra import LoGraAttributor
+    from dattri.task import AttributionTask
+    from torch.utils.data import DataLoader
+
+    wrapped = _WithLoss(model)
+    task = AttributionTask(loss_func=lambda m, batch, device: m(**batch).loss, model=wrapped,
+                           checkpoints=wrapped.state_dict())
+    tr = DataLoader(_DictDS(train), batch_size=w.batch, shuffle=False)
+    qd = DataLoader(_DictDS(query), batch_size=w.batch, shuffle=False)
+    # eFIM: explicit k×k empirical Fisher per layer; damping is relative (× tr/dim) in dattri
+    attr = LoGraAttributor(task=task, layer_names=[f"lm.{n}" for n in linear_names(model)], hessian="eFIM",
+                           damping=RELATIVE_DAMPING, device="cpu", proj_dim=w.k * w.k, offload="cpu",
+                           cache_dir=str(tmp / "cache"))
+    with Clock() as c:
+        attr.cache(tr)
+        scores = attr.attribute(tr, qd).T.numpy()
+    return {"infl_s": c.seconds, "scores": scores,
+            "settings": f"LoGraAttributor proj_dim={w.k * w.k} hessian=eFIM damping={RELATIVE_DAMPING} (relative)"}
+
+
 # ---------------------------------------------------------------------------------------------------
 # traker (TRAK)
 
 
-def traker_attr(w, model, train, query, tmp: Path) -> dict:
+def traker_attr(w, model, train, query, tmp: Path, *, influence: bool = False) -> dict:
     from trak import TRAKer
     from trak.modelout_functions import AbstractModelOutput
     from trak.projectors import BasicProjector, ProjectionType
@@ -274,7 +322,8 @@ def traker_attr(w, model, train, query, tmp: Path) -> dict:
     proj = BasicProjector(grad_dim=grad_dim, proj_dim=k_total, seed=0, block_size=min(100, k_total // 2),
                           proj_type=ProjectionType.normal, device="cpu", dtype=torch.float32)
     n, q = len(train), len(query)
-    traker = TRAKer(model=model, task=NegLoss(), train_set_size=n + q, save_dir=str(tmp / "trak"), device="cpu",
+    extra = 0 if influence else q
+    traker = TRAKer(model=model, task=NegLoss(), train_set_size=n + extra, save_dir=str(tmp / "trak"), device="cpu",
                     projector=proj, use_half_precision=False, grad_wrt=grad_wrt, lambda_reg=w.damping)
     ckpt = {k: v.clone() for k, v in model.state_dict().items()}
     traker.load_checkpoint(ckpt, model_id=0)
@@ -282,6 +331,18 @@ def traker_attr(w, model, train, query, tmp: Path) -> dict:
         for lo in range(0, n, w.batch):
             batch = train[lo:lo + w.batch]
             traker.featurize(batch=(batch,), num_samples=len(batch))
+    if influence:
+        # TRAK's own estimator, φ_q (ΦᵀΦ + λI)⁻¹ Φᵀ, with λ relative like everyone's: 0.1·tr(ΦᵀΦ)/k
+        # (its lambda_reg is absolute, so it is set once the features exist)
+        phi = torch.as_tensor(np.asarray(traker.saver.current_store["grads"][:]), dtype=torch.float64)
+        traker.score_computer.lambda_reg = RELATIVE_DAMPING * float((phi * phi).sum()) / k_total
+        with Clock() as c_infl:
+            traker.finalize_features()
+            traker.start_scoring_checkpoint(exp_name="qi", checkpoint=ckpt, model_id=0, num_targets=q)
+            traker.score(batch=(query,), num_samples=q)
+            scores = np.asarray(traker.finalize_scores(exp_name="qi")).T
+        return {"infl_s": c_infl.seconds, "scores": scores,
+                "settings": f"TRAK scores (ΦᵀΦ + λI)⁻¹, whole model k={k_total}, λ = {RELATIVE_DAMPING}·tr(ΦᵀΦ)/k"}
     # the queries' features, stored as extra rows, give the graddot agreement (TRAK's own score
     # applies (ΦᵀΦ + λI)⁻¹, a different estimator)
     for lo in range(0, q, w.batch):
@@ -303,7 +364,7 @@ def traker_attr(w, model, train, query, tmp: Path) -> dict:
 # kronfluence
 
 
-def kronfluence_attr(w, model, train, query, tmp: Path) -> dict:
+def kronfluence_attr(w, model, train, query, tmp: Path, *, influence: bool = False) -> dict:
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task
@@ -325,6 +386,19 @@ def kronfluence_attr(w, model, train, query, tmp: Path) -> dict:
 
     task = LMTask()
     model = prepare_model(model, task)
+    if influence:
+        an = Analyzer("peers", model=model, task=task, cpu=True, output_dir=str(tmp / "kf"), disable_tqdm=True,
+                      log_level=logging.WARNING)
+        with Clock() as c:
+            an.fit_all_factors(factors_name="ekfac", dataset=TensorDataset(train), per_device_batch_size=w.batch,
+                               factor_args=FactorArguments(strategy="ekfac"), overwrite_output_dir=True)
+            # damping_factor=None: 0.1 × the mean eigenvalue per module (its heuristic = our convention)
+            an.compute_pairwise_scores(scores_name="si", factors_name="ekfac", query_dataset=TensorDataset(query),
+                                       train_dataset=TensorDataset(train), per_device_query_batch_size=w.batch,
+                                       per_device_train_batch_size=w.batch,
+                                       score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
+        return {"infl_s": c.seconds, "scores": an.load_pairwise_scores("si")["all_modules"].numpy(),
+                "settings": "EK-FAC (unprojected), damping_factor=None = 0.1 × mean eigenvalue per module"}
     an = Analyzer("peers", model=model, task=task, cpu=True, output_dir=str(tmp / "kf"), disable_tqdm=True,
                   log_level=logging.WARNING)
     # Kronfluence stores no per-example gradient: the score pass recomputes every train gradient
@@ -346,9 +420,9 @@ def kronfluence_attr(w, model, train, query, tmp: Path) -> dict:
 # LogIX
 
 
-def _logix_run(w, model, tmp: Path, name: str):
+def _logix_run(w, model, tmp: Path, name: str, covariance: bool = False):
     from logix import LogIX
-    from logix.statistic import Log
+    from logix.statistic import Covariance, Log
 
     cfg = tmp / f"{name}.yaml"
     # rank r = k: the logged gradient of the r×r bottleneck is k·k floats per layer
@@ -356,7 +430,7 @@ def _logix_run(w, model, tmp: Path, name: str):
     run = LogIX(name, config=str(cfg))
     run.watch(model, name_filter=linear_names(model))   # NB: freezes every untracked parameter
     run.add_lora()
-    run.setup({"grad": [Log]})
+    run.setup({"grad": [Log, Covariance] if covariance else [Log]})
     run.save(True)
     return run
 
@@ -383,6 +457,27 @@ def logix_attr(w, model, train, query, tmp: Path) -> dict:
             "scores": scores, "settings": f"LoRA init=random rank={w.k}, save=grad, mode=dot, no preconditioning"}
 
 
+def logix_infl(w, model, train, query, tmp: Path) -> dict:
+    with Clock() as c:
+        run = _logix_run(w, model, tmp, "infl", covariance=True)     # "raw": the k×k Fisher of the log
+        for lo in range(0, len(train), w.batch):
+            batch = train[lo:lo + w.batch]
+            with run(data_id=[str(i) for i in range(lo, lo + len(batch))]):
+                model.zero_grad()
+                example_losses(model(batch), batch).sum().backward()
+        run.finalize()
+        run.eval()
+        loader = run.build_log_dataloader(batch_size=64)
+        with run(data_id=[f"q{i}" for i in range(len(query))]):
+            model.zero_grad()
+            example_losses(model(query), query).sum().backward()
+        # damping=None: 0.1 × mean eigenvalue (in 0.1.1 the first module's value is reused for the rest)
+        res = run.compute_influence_all(run.get_log(), loader, mode="dot", precondition=True, damping=None)
+    ids = [int(i) for i in res["tgt_ids"]] if "tgt_ids" in res else list(range(len(train)))
+    return {"infl_s": c.seconds, "scores": np.asarray(res["influence"])[:, np.argsort(ids)],
+            "settings": f"LoRA rank {w.k}, hessian raw (Covariance of the log), damping=None (0.1 × mean eigenvalue)"}
+
+
 def logix_loop(w, model, opt, tmp: Path):
     run = _logix_run(w, model, tmp, "loop")
     state = {"seen": 0}
@@ -397,15 +492,21 @@ def logix_loop(w, model, opt, tmp: Path):
     return step, run.logger.finalize, "sum"
 
 
+def _ours_infl(*a, **kw) -> dict:
+    r = olmo_tda_attr(*a, influence=True, **kw)
+    return {"infl_s": r["query_s"], "scores": r["scores"], "settings": "influence hessian=raw, damping_ratio 0.1"}
+
+
 SYSTEMS = {
-    "olmo_tda": {"attr": olmo_tda_attr, "loop": olmo_tda_loop},
+    "olmo_tda": {"attr": olmo_tda_attr, "loop": olmo_tda_loop, "infl": _ours_infl},
     "olmo_tda_eigen": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True)},
-    "olmo_tda_head": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True, head_budget=True)},
-    "dattri_llm": {"attr": dattri_llm_attr, "loop": dattri_llm_loop},
-    "dattri": {"attr": dattri_attr},
-    "traker": {"attr": traker_attr},
-    "kronfluence": {"attr": kronfluence_attr},
-    "logix": {"attr": logix_attr, "loop": logix_loop},
+    "olmo_tda_head": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True, head_budget=True),
+                      "infl": lambda *a: _ours_infl(*a, eigen=True, head_budget=True)},
+    "dattri_llm": {"attr": dattri_llm_attr, "loop": dattri_llm_loop, "infl": dattri_llm_infl},
+    "dattri": {"attr": dattri_attr, "infl": dattri_infl},
+    "traker": {"attr": traker_attr, "infl": lambda *a: traker_attr(*a, influence=True)},
+    "kronfluence": {"attr": kronfluence_attr, "infl": lambda *a: kronfluence_attr(*a, influence=True)},
+    "logix": {"attr": logix_attr, "loop": logix_loop, "infl": logix_infl},
 }
 
 
@@ -462,11 +563,26 @@ def run_overhead(system: str, workdir: Path, out: Path, rounds: int = 6, block: 
             "samples": times, "peak_rss_mb": peak_rss_mb()}
 
 
+def run_infl(system: str, workdir: Path, out: Path) -> dict:
+    w, model, train, query = load(workdir)
+    warm_up(model, train[:w.batch])
+    with tempfile.TemporaryDirectory(prefix=f"peers_{system}_infl_") as tmp:
+        r = SYSTEMS[system]["infl"](w, model, train, query, Path(tmp))
+    scores = np.asarray(r.pop("scores"), dtype=np.float64)
+    if scores.shape != (len(query), len(train)):
+        raise RuntimeError(f"{system} returned influence scores of shape {scores.shape}")
+    np.save(out.with_suffix(".npy"), scores)
+    return r
+
+
 def main(argv: list[str]) -> int:
     system, mode, workdir, out = argv[0], argv[1], Path(argv[2]), Path(argv[3])
     threads()
     try:
-        result = run_attr(system, workdir, out) if mode == "attr" else run_overhead(system, workdir, out)
+        if mode == "infl" and "infl" not in SYSTEMS[system]:
+            raise NotImplementedError(f"{system}: no curvature (influence) mode in this benchmark")
+        run = {"attr": run_attr, "overhead": run_overhead, "infl": run_infl}[mode]
+        result = run(system, workdir, out)
         result["ok"] = True
     except Exception as exc:                 # reported as that system's failure, with the reason
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
