@@ -145,53 +145,55 @@ def _dattri_llm_manager(w, model, out: Path, interval: int):
     return hm
 
 
-def dattri_llm_attr(w, model, train, query, tmp: Path) -> dict:
-    from dattri_llm import AttributionArguments, TracInAttributor, hash_batch
+def _dattri_llm_capture(w, model, ids, out: Path) -> None:
+    hm = _dattri_llm_manager(w, model, out, interval=32)
+    with hm.collect():
+        for lo in range(0, len(ids), w.batch):
+            batch = ids[lo:lo + w.batch]
+            model.zero_grad(set_to_none=True)
+            # a SUM over examples: each captured gradient is that example's own
+            example_losses(model(input_ids=batch), batch).sum().backward()
+    hm.remove()
+    model.zero_grad(set_to_none=True)
 
-    def capture(ids, out):
-        hm = _dattri_llm_manager(w, model, out, interval=32)
-        with hm.collect():
-            for lo in range(0, len(ids), w.batch):
-                batch = ids[lo:lo + w.batch]
-                model.zero_grad(set_to_none=True)
-                # a SUM over examples: each captured gradient is that example's own
-                example_losses(model(input_ids=batch), batch).sum().backward()
-        hm.remove()
-        model.zero_grad(set_to_none=True)
+
+def _dattri_llm_args(w, tmp: Path):
+    from dattri_llm import AttributionArguments
+
+    return AttributionArguments(output_dir=str(tmp / "attr"), per_device_train_batch_size=w.batch,
+                                per_device_eval_batch_size=w.batch, use_cpu=True, dataloader_pin_memory=False)
+
+
+def _dattri_llm_scores(w, score, train, query) -> np.ndarray:
+    """(Q, N) from its (n_train, n_query) score, rows identified by content hash."""
+    from dattri_llm import hash_batch
+
+    tr_h = sum((hash_batch({"input_ids": train[lo:lo + w.batch]}) for lo in range(0, len(train), w.batch)), [])
+    return score.query(tr_h, hash_batch({"input_ids": query})).T.numpy()
+
+
+def dattri_llm_attr(w, model, train, query, tmp: Path) -> dict:
+    from dattri_llm import TracInAttributor
 
     with Clock() as c_train:
-        capture(train, tmp / "train")
-    args = AttributionArguments(output_dir=str(tmp / "attr"), per_device_train_batch_size=w.batch,
-                                per_device_eval_batch_size=w.batch, use_cpu=True, dataloader_pin_memory=False)
+        _dattri_llm_capture(w, model, train, tmp / "train")
     with Clock() as c_query:
-        capture(query, tmp / "query")
-        s = TracInAttributor(args).attribute_from_cache(str(tmp / "train"), str(tmp / "query"))
-        tr_h = sum((hash_batch({"input_ids": train[lo:lo + w.batch]}) for lo in range(0, len(train), w.batch)), [])
-        q_h = hash_batch({"input_ids": query})
-        scores = s.query(tr_h, q_h).T.numpy()       # (n_train, n_query) -> (Q, N)
+        _dattri_llm_capture(w, model, query, tmp / "query")
+        s = TracInAttributor(_dattri_llm_args(w, tmp)).attribute_from_cache(str(tmp / "train"), str(tmp / "query"))
+        scores = _dattri_llm_scores(w, s, train, query)
     return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "train"),
             "scores": scores, "settings": f"HookManager logra proj_dim={w.k} normal, TracInAttributor (graddot)"}
 
 
 def dattri_llm_infl(w, model, train, query, tmp: Path) -> dict:
-    from dattri_llm import AttributionArguments, EKFACAttributor, hash_batch
+    from dattri_llm import EKFACAttributor
 
-    for ids, out in ((train, tmp / "train"), (query, tmp / "query")):
-        hm = _dattri_llm_manager(w, model, out, interval=32)
-        with hm.collect():
-            for lo in range(0, len(ids), w.batch):
-                batch = ids[lo:lo + w.batch]
-                model.zero_grad(set_to_none=True)
-                example_losses(model(input_ids=batch), batch).sum().backward()
-        hm.remove()
-    model.zero_grad(set_to_none=True)
-    args = AttributionArguments(output_dir=str(tmp / "attr"), per_device_train_batch_size=w.batch,
-                                per_device_eval_batch_size=w.batch, use_cpu=True, dataloader_pin_memory=False)
+    _dattri_llm_capture(w, model, train, tmp / "train")
+    _dattri_llm_capture(w, model, query, tmp / "query")
     with Clock() as c:
-        s = EKFACAttributor(args).attribute_from_cache(str(tmp / "train"), str(tmp / "query"),
-                                                       damping=RELATIVE_DAMPING, relative_damping=True)
-    tr_h = sum((hash_batch({"input_ids": train[lo:lo + w.batch]}) for lo in range(0, len(train), w.batch)), [])
-    return {"infl_s": c.seconds, "scores": s.query(tr_h, hash_batch({"input_ids": query})).T.numpy(),
+        s = EKFACAttributor(_dattri_llm_args(w, tmp)).attribute_from_cache(
+            str(tmp / "train"), str(tmp / "query"), damping=RELATIVE_DAMPING, relative_damping=True)
+    return {"infl_s": c.seconds, "scores": _dattri_llm_scores(w, s, train, query),
             "settings": f"EKFACAttributor on the logra k={w.k} store, damping={RELATIVE_DAMPING}, relative_damping=True"}
 
 
@@ -242,7 +244,8 @@ class _DictDS(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i]}
 
 
-def dattri_attr(w, model, train, query, tmp: Path) -> dict:
+def _dattri_logra(w, model, train, query, tmp: Path, **options):
+    """(attributor, train loader, query loader); proj_dim = k·k per layer (√ per factor)."""
     from dattri.algorithm.logra import LoGraAttributor
     from dattri.task import AttributionTask
     from torch.utils.data import DataLoader
@@ -250,11 +253,15 @@ def dattri_attr(w, model, train, query, tmp: Path) -> dict:
     wrapped = _WithLoss(model)
     task = AttributionTask(loss_func=lambda m, batch, device: m(**batch).loss, model=wrapped,
                            checkpoints=wrapped.state_dict())
-    tr = DataLoader(_DictDS(train), batch_size=w.batch, shuffle=False)
-    qd = DataLoader(_DictDS(query), batch_size=w.batch, shuffle=False)
-    # proj_dim = k·k per layer (sqrt per factor); "Identity" Hessian = projected graddot
-    attr = LoGraAttributor(task=task, layer_names=[f"lm.{n}" for n in linear_names(model)], hessian="Identity",
-                           device="cpu", proj_dim=w.k * w.k, offload="cpu", cache_dir=str(tmp / "cache"))
+    attr = LoGraAttributor(task=task, layer_names=[f"lm.{n}" for n in linear_names(model)], device="cpu",
+                           proj_dim=w.k * w.k, offload="cpu", cache_dir=str(tmp / "cache"), **options)
+    return (attr, DataLoader(_DictDS(train), batch_size=w.batch, shuffle=False),
+            DataLoader(_DictDS(query), batch_size=w.batch, shuffle=False))
+
+
+def dattri_attr(w, model, train, query, tmp: Path) -> dict:
+    # "Identity" Hessian = projected graddot
+    attr, tr, qd = _dattri_logra(w, model, train, query, tmp, hessian="Identity")
     with Clock() as c_train:
         attr.cache(tr)
     with Clock() as c_query:
@@ -268,19 +275,8 @@ def dattri_attr(w, model, train, query, tmp: Path) -> dict:
 
 
 def dattri_infl(w, model, train, query, tmp: Path) -> dict:
-    from dattri.algorithm.logra import LoGraAttributor
-    from dattri.task import AttributionTask
-    from torch.utils.data import DataLoader
-
-    wrapped = _WithLoss(model)
-    task = AttributionTask(loss_func=lambda m, batch, device: m(**batch).loss, model=wrapped,
-                           checkpoints=wrapped.state_dict())
-    tr = DataLoader(_DictDS(train), batch_size=w.batch, shuffle=False)
-    qd = DataLoader(_DictDS(query), batch_size=w.batch, shuffle=False)
     # eFIM: explicit k×k empirical Fisher per layer; damping is relative (× tr/dim) in dattri
-    attr = LoGraAttributor(task=task, layer_names=[f"lm.{n}" for n in linear_names(model)], hessian="eFIM",
-                           damping=RELATIVE_DAMPING, device="cpu", proj_dim=w.k * w.k, offload="cpu",
-                           cache_dir=str(tmp / "cache"))
+    attr, tr, qd = _dattri_logra(w, model, train, query, tmp, hessian="eFIM", damping=RELATIVE_DAMPING)
     with Clock() as c:
         attr.cache(tr)
         scores = attr.attribute(tr, qd).T.numpy()
