@@ -431,24 +431,34 @@ def _logix_run(w, model, tmp: Path, name: str, covariance: bool = False):
     return run
 
 
+def _logix_log(w, run, model, train) -> None:
+    """Log every train example's projected gradient, then flush (``finalize``)."""
+    for lo in range(0, len(train), w.batch):
+        batch = train[lo:lo + w.batch]
+        with run(data_id=[str(i) for i in range(lo, lo + len(batch))]):
+            model.zero_grad()
+            example_losses(model(batch), batch).sum().backward()
+    run.finalize()
+
+
+def _logix_scores(run, model, train, query, **options) -> np.ndarray:
+    """[Q, N] scores of the queries against the log, columns in train order."""
+    run.eval()
+    loader = run.build_log_dataloader(batch_size=64)
+    with run(data_id=[f"q{i}" for i in range(len(query))]):
+        model.zero_grad()
+        example_losses(model(query), query).sum().backward()
+    res = run.compute_influence_all(run.get_log(), loader, mode="dot", **options)
+    ids = [int(i) for i in res["tgt_ids"]] if "tgt_ids" in res else list(range(len(train)))
+    return np.asarray(res["influence"])[:, np.argsort(ids)]
+
+
 def logix_attr(w, model, train, query, tmp: Path) -> dict:
     with Clock() as c_train:
         run = _logix_run(w, model, tmp, "attr")
-        for lo in range(0, len(train), w.batch):
-            batch = train[lo:lo + w.batch]
-            with run(data_id=[str(i) for i in range(lo, lo + len(batch))]):
-                model.zero_grad()
-                example_losses(model(batch), batch).sum().backward()
-        run.finalize()
+        _logix_log(w, run, model, train)
     with Clock() as c_query:
-        run.eval()
-        loader = run.build_log_dataloader(batch_size=64)
-        with run(data_id=[f"q{i}" for i in range(len(query))]):
-            model.zero_grad()
-            example_losses(model(query), query).sum().backward()
-        res = run.compute_influence_all(run.get_log(), loader, mode="dot", precondition=False)
-    ids = [int(i) for i in res["tgt_ids"]] if "tgt_ids" in res else list(range(len(train)))
-    scores = np.asarray(res["influence"])[:, np.argsort(ids)]
+        scores = _logix_scores(run, model, train, query, precondition=False)
     return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "attr"),
             "scores": scores, "settings": f"LoRA init=random rank={w.k}, save=grad, mode=dot, no preconditioning"}
 
@@ -456,21 +466,10 @@ def logix_attr(w, model, train, query, tmp: Path) -> dict:
 def logix_infl(w, model, train, query, tmp: Path) -> dict:
     with Clock() as c:
         run = _logix_run(w, model, tmp, "infl", covariance=True)     # "raw": the k×k Fisher of the log
-        for lo in range(0, len(train), w.batch):
-            batch = train[lo:lo + w.batch]
-            with run(data_id=[str(i) for i in range(lo, lo + len(batch))]):
-                model.zero_grad()
-                example_losses(model(batch), batch).sum().backward()
-        run.finalize()
-        run.eval()
-        loader = run.build_log_dataloader(batch_size=64)
-        with run(data_id=[f"q{i}" for i in range(len(query))]):
-            model.zero_grad()
-            example_losses(model(query), query).sum().backward()
+        _logix_log(w, run, model, train)
         # damping=None: 0.1 × mean eigenvalue (in 0.1.1 the first module's value is reused for the rest)
-        res = run.compute_influence_all(run.get_log(), loader, mode="dot", precondition=True, damping=None)
-    ids = [int(i) for i in res["tgt_ids"]] if "tgt_ids" in res else list(range(len(train)))
-    return {"infl_s": c.seconds, "scores": np.asarray(res["influence"])[:, np.argsort(ids)],
+        scores = _logix_scores(run, model, train, query, precondition=True, damping=None)
+    return {"infl_s": c.seconds, "scores": scores,
             "settings": f"LoRA rank {w.k}, hessian raw (Covariance of the log), damping=None (0.1 × mean eigenvalue)"}
 
 
