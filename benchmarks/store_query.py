@@ -275,9 +275,17 @@ def read_throughput(path: Path) -> float:
 
 # -- the measured query ---------------------------------------------------------------------------
 
+class _NoReadahead(GradientStore):
+    """The store read without the reader's readahead (the control of the readahead arm)."""
+
+    def iter_blocks(self, *args, **kwargs):
+        return super().iter_blocks(*args, readahead=False, **kwargs)
+
+
 def run_query(store: Path, queries: dict, query_rank: int, top_k: int, block_size: int,
-              return_scores: bool = False):
-    return attribute(str(store), queries, method="graddot", top_k=top_k, block_size=block_size,
+              return_scores: bool = False, readahead: bool = True):
+    opened = str(store) if readahead else _NoReadahead.open(store)
+    return attribute(opened, queries, method="graddot", top_k=top_k, block_size=block_size,
                      return_scores=return_scores, projector_hash=PROJECTOR_HASH, query_rank=query_rank)
 
 
@@ -517,6 +525,9 @@ def main(argv=None) -> dict:
     p.add_argument("--query-rank", type=int, default=16,
                    help="also time the recommended c with the queries as rank-r factors (exploratory; 0: off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for the timed queries (default: torch's); fewer than the cores leaves the "
+                        "kernel's reads a core of their own, as on a many-core node")
     p.add_argument("--work-dir", default="/tmp/olmo_tda_store_query")
     p.add_argument("--keep", action="store_true", help="keep the stores (default: deleted at the end)")
     p.add_argument("--progress", action="store_true")
@@ -534,6 +545,8 @@ def main(argv=None) -> dict:
         return calibrate(args)
     if args.quick:
         args.n, args.rounds = 100_000, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     args.n_small = max(1, args.n // 10)
     ranks = [int(c) for c in args.cs.split(",")]
     t_start = time.perf_counter()
@@ -563,11 +576,11 @@ def main(argv=None) -> dict:
         nbytes = {name: GradientStore.open(full[name]).nbytes for name in names}
 
         # fidelity (untimed; also fills the page cache)
-        arms = {name: (full[name], queries, 0) for name in names}
+        arms = {name: (full[name], queries, 0, True) for name in names}
         scores, top = {}, {}
 
         def fidelity(name):
-            res = run_query(*arms[name], args.top_k, args.block_size, return_scores=True)
+            res = run_query(*arms[name][:3], args.top_k, args.block_size, return_scores=True)
             scores[name] = res.all_scores.numpy()[:, np.argsort(res.all_ids, kind="stable")]
             top[name] = res.ids
         for name in names:
@@ -577,9 +590,13 @@ def main(argv=None) -> dict:
         best = min(meets) if meets else max(ranks, key=lambda c: spearman[f"c{c}"])
         if args.query_rank:     # exploratory, not the headline: the queries as rank-r factors too
             extra = f"c{best}+q{args.query_rank}"
-            arms[extra] = (full[f"c{best}"], queries, args.query_rank)     # attribute(..., query_rank=r)
+            arms[extra] = (full[f"c{best}"], queries, args.query_rank, True)     # attribute(..., query_rank=r)
             fidelity(extra)
             spearman[extra] = spearman_vs(scores["dense"], scores[extra])
+        # the reader's readahead off (its control): the same store and scores, timed without it
+        plain = f"c{best} no-readahead"
+        arms[plain] = (full[f"c{best}"], queries, 0, False)
+        spearman[plain], top[plain] = spearman[f"c{best}"], top[f"c{best}"]
         recall = {name: float(np.mean([len(set(top[name][q]) & set(top["dense"][q])) / top["dense"].shape[1]
                                        for q in range(args.queries)])) for name in arms}
         scores.clear()
@@ -596,20 +613,30 @@ def main(argv=None) -> dict:
             (resident_after_evict is None and cold_gibs < 0.8 * warm_gibs)
 
         cold, warm = {n: [] for n in arms}, {n: [] for n in arms}
+        read_pass = {True: [], False: []}
         resident_warm = {n: 1.0 for n in arms}
         order = list(arms)
         for round_ in range(args.rounds):
             for name in (order if round_ % 2 == 0 else order[::-1]):
-                store, qs, query_rank = arms[name]
+                store, qs, query_rank, readahead = arms[name]
                 evict(store)
                 t0 = time.perf_counter()
-                run_query(store, qs, query_rank, args.top_k, args.block_size)
+                run_query(store, qs, query_rank, args.top_k, args.block_size, readahead=readahead)
                 cold[name].append(time.perf_counter() - t0)
                 frac = resident_fraction(shard_files(store))
                 resident_warm[name] = min(resident_warm[name], frac if frac is not None else 1.0)
                 t0 = time.perf_counter()
-                run_query(store, qs, query_rank, args.top_k, args.block_size)
+                run_query(store, qs, query_rank, args.top_k, args.block_size, readahead=readahead)
                 warm[name].append(time.perf_counter() - t0)
+            # the reader alone (no scoring), cold, with and without readahead: the time spent waiting
+            # for the disk, which readahead overlaps with whatever runs between blocks
+            for readahead in ((True, False) if round_ % 2 == 0 else (False, True)):
+                evict(full[f"c{best}"])
+                t0 = time.perf_counter()
+                for _ in GradientStore.open(full[f"c{best}"]).iter_blocks(block_size=args.block_size,
+                                                                          readahead=readahead):
+                    pass
+                read_pass[readahead].append(time.perf_counter() - t0)
         phases["timing"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         memory = {name: measure_memory(built["paths"][name][0], full[name], queries_path, args) for name in names}
@@ -622,10 +649,11 @@ def main(argv=None) -> dict:
     warm_s = {n: statistics.median(v) for n, v in warm.items()}
     rows = {}
     for name in arms:
-        c = 0 if name == "dense" else int(name[1:].split("+")[0])
+        base = name.split("+")[0].split(" ")[0]
+        c = 0 if name == "dense" else int(base[1:])
         rank_q = args.query_rank if "+" in name else 0
         mem = memory.get(name, {"peak_small_mb": None, "peak_full_mb": None})
-        nb = nbytes[name.split("+")[0]]
+        nb = nbytes[base]
         rows[name] = {"c": c, "query_rank": rank_q, "bytes": nb, "bytes_per_example": nb / args.n,
                       "size_ratio": nbytes["dense"] / nb, "cold_s": cold_s[name], "warm_s": warm_s[name],
                       "speedup_cold": cold_s["dense"] / cold_s[name], "speedup_warm": warm_s["dense"] / warm_s[name],
@@ -667,6 +695,11 @@ def main(argv=None) -> dict:
               f"(attribute(..., query_rank={args.query_rank}): an approximation of the queries, so not "
               f"the headline): {r['speedup_cold']:.2f}x cold, "
               f"{r['speedup_warm']:.2f}x warm, Spearman {r['spearman']:.3f}")
+    off = rows[plain]
+    print(f"readahead (the reader's, on in every other row): c={best} cold {head['cold_s']:.2f} s with, "
+          f"{off['cold_s']:.2f} s without ({off['cold_s'] / head['cold_s']:.2f}x); warm {head['warm_s']:.2f} vs "
+          f"{off['warm_s']:.2f} s; reading alone, cold: {statistics.median(read_pass[True]):.2f} s with, "
+          f"{statistics.median(read_pass[False]):.2f} s without")
     print(f"recommended c={best} (smallest with Spearman >= 0.9): {head['size_ratio']:.1f}x smaller "
           f"[{'ok' if targets['size_10x'] else 'MISSED'} >= 10x], {speedup:.2f}x faster {basis} "
           f"[{'ok' if targets['speed_5x'] else 'MISSED'} >= 5x], Spearman {head['spearman']:.3f} "
@@ -684,6 +717,11 @@ def main(argv=None) -> dict:
               "eviction_works": eviction_works, "resident_after_evict": resident_after_evict,
               "read_gibs_warm": round(warm_gibs, 3), "read_gibs_cold": round(cold_gibs, 3),
               "factor_check_max_rel_err": built["factor_check_max_rel_err"],
+              "readahead": {"cold_s": round(head["cold_s"], 3), "cold_s_without": round(off["cold_s"], 3),
+                            "warm_s": round(head["warm_s"], 3), "warm_s_without": round(off["warm_s"], 3),
+                            "speedup_cold_without": round(off["speedup_cold"], 3),
+                            "read_only_cold_s": round(statistics.median(read_pass[True]), 3),
+                            "read_only_cold_s_without": round(statistics.median(read_pass[False]), 3)},
               "factored_queries": ({"arm": extra, "query_rank": args.query_rank,
                                     "speedup_cold": round(rows[extra]["speedup_cold"], 3),
                                     "speedup_warm": round(rows[extra]["speedup_warm"], 3),

@@ -243,6 +243,104 @@ def test_per_row_loss_scales_survive_duplicate_and_nonfinite_filtering(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
+# readahead: the next shard's bytes are requested while this one is read
+
+
+class _InlineExecutor:
+    """Stands in for the reader's helper thread: runs each request at once, in order."""
+
+    calls: list = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def submit(self, fn, *args):
+        _InlineExecutor.calls.append(args)
+        fn(*args)
+
+    def shutdown(self, wait=True, cancel_futures=False):
+        pass
+
+
+@pytest.fixture
+def inline_readahead(monkeypatch):
+    from olmo_tda.store import reader
+
+    _InlineExecutor.calls = []
+    monkeypatch.setattr(reader, "ThreadPoolExecutor", _InlineExecutor)
+    return _InlineExecutor.calls
+
+
+def test_readahead_asks_for_exactly_the_selected_layers_bytes_of_each_shard(tmp_path, inline_readahead):
+    records = random_records(range(7), rows_per_step=3, seed=21)
+    store = write_store(tmp_path / "s", records, flush_every=2)
+    want = expected_rows(records)
+    for layers in (None, [LAYERS[1]]):
+        inline_readahead.clear()
+        blocks = list(store.iter_blocks(layers=layers, block_size=4))
+        plain = list(store.iter_blocks(layers=layers, block_size=4, readahead=False))
+        assert len(inline_readahead) == len(store.shards) == 4      # the first at once, then one ahead
+        for b, p in zip(blocks, plain, strict=True):
+            assert np.array_equal(b.ids, p.ids) and all(torch.equal(b.grads[n], p.grads[n]) for n in b.grads)
+        chosen = LAYERS if layers is None else layers
+        for (path, ranges), info in zip(inline_readahead, store.shards):
+            assert path == store.path / info.file
+            assert len(ranges) == len(chosen)
+            raw = path.read_bytes()
+            keys = [(int(i), int(s)) for i, s in zip(*_keys_of(path))]
+            for (offset, length), name in zip(ranges, chosen):
+                # the requested bytes are that layer's rows, as written (independent of h5py's reader)
+                got = np.frombuffer(raw[offset:offset + length], dtype=np.float32)
+                rows = torch.stack([want[key][2][name] for key in keys])
+                assert np.array_equal(got, rows.numpy().ravel())
+    inline_readahead.clear()
+    list(store.iter_blocks(ids=[0, 1, 20]))                          # sparse selections read no ahead
+    assert inline_readahead == []
+
+
+def _keys_of(path):
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return f["ids"][:], f["steps"][:]
+
+
+def test_readahead_of_a_compressed_store_asks_for_whole_files(tmp_path, inline_readahead):
+    store = write_store(tmp_path / "s", random_records(range(4), seed=22), flush_every=2, compression="gzip")
+    assert len(list(store.iter_blocks(block_size=2))) == 6
+    assert [ranges for _, ranges in inline_readahead] == [[(0, 0)], [(0, 0)]]
+
+
+def test_willneed_covers_each_range_in_readahead_windows_and_never_raises(tmp_path, monkeypatch):
+    from olmo_tda.store import reader
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 5000)
+    seen = []
+    monkeypatch.setattr(reader.os, "posix_fadvise", lambda fd, off, length, advice: seen.append((off, length, advice)),
+                        raising=False)
+    monkeypatch.setattr(reader, "_readahead_window", lambda dev: 1024)
+    reader._willneed(path, [(100, 2500), (0, 0)])
+    assert seen[:3] == [(100, 1024, os.POSIX_FADV_WILLNEED), (1124, 1024, os.POSIX_FADV_WILLNEED),
+                        (2148, 452, os.POSIX_FADV_WILLNEED)]
+    assert [(o, n) for o, n, _ in seen[3:]] == [(0, 1024), (1024, 1024), (2048, 1024), (3072, 1024), (4096, 904)]
+    reader._willneed(tmp_path / "missing", [(0, 0)])                 # a hint: a failure is not an error
+
+
+def test_a_shard_corrupted_after_open_fails_in_its_turn_with_readahead(tmp_path, inline_readahead):
+    path = tmp_path / "s"
+    store = write_store(path, random_records(range(6), seed=23), flush_every=2)
+    victim = path / "shards" / "r00000-00000001.h5"
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    for readahead in (True, False):
+        seen = []
+        with pytest.raises(StoreCorruptError, match="r00000-00000001.h5"):
+            for block in store.iter_blocks(block_size=1, readahead=readahead):
+                seen.append(int(block.steps[0]))
+        assert seen == [0, 0, 0, 1, 1, 1]             # the first shard's rows, then the error
+
+
+# ---------------------------------------------------------------------------------------------
 # append, reopen, truncate
 
 

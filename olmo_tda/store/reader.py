@@ -7,12 +7,21 @@ Opening reads ``store.json`` and the manifests and reconciles them with the shar
 Rows come in *blocks* of at most ``block_size`` rows, read as HDF5 slices shard by shard; a block
 may span shards. Memory is bounded by ``block_size`` rows of the selected layers plus the
 per-shard key columns (ids/steps/lr/loss_scale, 32 bytes a row).
+
+Cold stores are read while they are scored: on opening a shard the reader asks the kernel
+(``posix_fadvise(WILLNEED)``, from a helper thread so a busy disk never stalls the scoring) to
+read the selected layers' bytes of the *next* shard, so its disk reads overlap this shard's
+arithmetic. It is a hint only (the page cache, not our memory, holds what it reads; a failure is
+ignored) and is off for sparse id selections and where the OS has no ``posix_fadvise``.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -32,6 +41,8 @@ if TYPE_CHECKING:
     from .writer import StoreWriter
 
 __all__ = ["GradientBlock", "GradientStore"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -200,12 +211,14 @@ class GradientStore:
 
     def iter_blocks(self, layers: Iterable[str] | None = None, block_size: int = 1024,
                     steps: Iterable[int] | None = None, ids: Iterable[int] | None = None,
-                    ) -> Iterator[GradientBlock]:
+                    readahead: bool = True) -> Iterator[GradientBlock]:
         """Stream rows in blocks of at most ``block_size`` (the last may be smaller).
 
         ``layers``: names to decode (default all); ``steps`` / ``ids``: keep only rows whose step /
         example id is in the given collection. Row order is shard order (see :attr:`shards`),
-        append order within a shard; it does not depend on ``block_size``.
+        append order within a shard; it does not depend on ``block_size``. ``readahead``: ask the
+        kernel for the next shard's bytes while this one is scored (see the module docstring;
+        off when ``ids`` is given).
         """
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -214,10 +227,10 @@ class GradientStore:
         id_set = None if ids is None else np.unique(np.asarray(list(ids), dtype=np.int64))
         pending: list[GradientBlock] = []
         n_pending = 0
-        for info in self.shards:
-            if step_set is not None and not _range_hits(step_set, info.step_min, info.step_max):
-                continue
-            with self._open_shard(info) as f:
+        visit = [info for info in self.shards
+                 if step_set is None or _range_hits(step_set, info.step_min, info.step_max)]
+        for info, f in self._opened(visit, [i for _, i in indices], readahead and id_set is None):
+            with f:
                 mask = np.ones(info.num_rows, dtype=bool)
                 shard_steps = f["steps"][:]
                 shard_ids = f["ids"][:]
@@ -279,6 +292,32 @@ class GradientStore:
             out.append((name, position[name]))
         return out
 
+    def _opened(self, infos: list[ShardInfo], layer_indices: list[int], readahead: bool):
+        """``(info, open h5 file)`` for each shard in turn (the caller closes each); with
+        ``readahead`` the next shard is opened one ahead and its selected layers' bytes requested."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="olmo_tda-readahead") \
+            if readahead and hasattr(os, "posix_fadvise") and len(infos) > 1 else None
+        ahead = None
+        try:
+            for j, info in enumerate(infos):
+                f, ahead = (ahead or self._open_shard(info)), None
+                if pool is not None and j == 0:
+                    pool.submit(_willneed, self.path / info.file, _byte_ranges(f, layer_indices))
+                if pool is not None and j + 1 < len(infos):
+                    try:
+                        ahead = self._open_shard(infos[j + 1])
+                        pool.submit(_willneed, self.path / infos[j + 1].file, _byte_ranges(ahead, layer_indices))
+                    except (StoreCorruptError, OSError, KeyError, ValueError, RuntimeError):
+                        if ahead is not None:       # opened but unreadable: reopened (and raised) in its turn
+                            ahead.close()
+                        ahead = None            # raised in its turn, after this shard's rows
+                yield info, f
+        finally:
+            if ahead is not None:
+                ahead.close()
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
     def _open_shard(self, info: ShardInfo):
         path = self.path / info.file
         try:
@@ -287,6 +326,50 @@ class GradientStore:
             raise StoreCorruptError(f"gradient store shard {path} cannot be opened ({e}); if a writer "
                                     "truncated the store meanwhile call refresh(), else open with "
                                     "repair=True") from e
+
+
+def _byte_ranges(f, layer_indices: list[int]) -> list[tuple[int, int]]:
+    """``(offset, length)`` in the file of each selected layer's rows; ``[(0, 0)]`` (the whole file)
+    when a dataset is chunked (compressed stores), whose bytes are not one range."""
+    ranges = []
+    for i in layer_indices:
+        dsid = f[f"grads/L{i:04d}"].id
+        offset = dsid.get_offset()
+        if offset is None:
+            return [(0, 0)]
+        ranges.append((int(offset), int(dsid.get_storage_size())))
+    return ranges
+
+
+def _willneed(path: Path, ranges: list[tuple[int, int]]) -> None:
+    """(helper thread) Ask the kernel to read ``ranges`` of ``path`` into the page cache.
+
+    Linux serves at most the device's readahead window per ``WILLNEED`` call (8 MiB on some disks,
+    128 KiB by default): one call for a whole range reads only its start. So the range goes in
+    window-sized calls (each returns once its reads are queued)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            step = _readahead_window(st.st_dev)
+            for offset, length in ranges:
+                end = offset + length if length else st.st_size
+                for pos in range(offset, end, step):
+                    os.posix_fadvise(fd, pos, min(step, end - pos), os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+    except OSError as e:        # a hint only: the reads that follow still work (or raise) as usual
+        log.debug("readahead of %s skipped: %s", path, e)
+
+
+@functools.lru_cache(maxsize=None)
+def _readahead_window(dev: int) -> int:
+    """Bytes the kernel reads per readahead request on the device ``dev`` (128 KiB if unknown)."""
+    try:
+        kib = int(Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text())
+    except (OSError, ValueError):
+        kib = 128
+    return max(128, kib) << 10
 
 
 def _range_hits(sorted_values: np.ndarray, lo: int, hi: int) -> bool:
