@@ -146,3 +146,29 @@ def test_exact_influence_equals_the_explicit_damped_inverse():
         lam = W.RELATIVE_DAMPING * torch.trace(fisher) / size
         want += q @ torch.linalg.inv(fisher + lam * torch.eye(size, dtype=torch.float64)) @ g.T
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_influence_levers_rows_and_its_fisher_helper_against_the_exact_influence(tmp_path):
+    """``influence_levers``' projected-Fisher helper on unprojected gradients is the exact influence
+    (the tested Woodbury ground truth), and every lever row runs on a tiny workload."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.peers import influence_levers as IL
+
+    tiny = W.Workload(d_model=16, n_heads=2, n_layers=1, seq_len=12, n_train=20, n_query=3, batch=4, k=4,
+                      warmup_steps=3)
+    W.prepare(tmp_path, tiny)
+    _, model, train, query = W.load(tmp_path)
+    g, q = W.exact_gradients(model, train).double(), W.exact_gradients(model, query).double()
+    got, lo = 0, 0
+    for name in W.linear_names(model):
+        size = dict(model.named_modules())[name].weight.numel()
+        got = got + IL.projected_fisher_scores(g[:, lo:lo + size], q[:, lo:lo + size])
+        lo += size
+    want = torch.from_numpy(np.load(tmp_path / "exact_influence.npy")).double()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=1e-3 * want.abs().max().item())
+    result = IL.run(tmp_path, seeds=1)
+    assert set(result) == {"ekfac_full", "kfac_full", "fisher_kron", "fisher_eigen", "fisher_layer_jl",
+                           "fisher_layer_jl2x", "fisher_global_jl", "fisher_global_kron", "precond_then_kron",
+                           "exact_precond_then_kron", "precond_then_eigen"}
+    assert all(-1 <= r["spearman"] <= 1 for r in result.values())
+    assert result["fisher_kron"]["floats"] == 7 * 16 and result["ekfac_full"]["floats"] == "all"

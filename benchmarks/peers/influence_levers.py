@@ -1,0 +1,192 @@
+"""Which lever would close the influence gap? Candidate ways to approximate exact damped influence at
+the peers benchmark's budget, all on the peers workload's exact gradients (no peer installed).
+
+The peers table (``python -m benchmarks.run_all``) has olmo_tda's projected per-layer Fisher at
+0.39–0.41 Spearman against exact per-layer damped empirical-Fisher influence, TRAK at 0.456 and
+Kronfluence's unprojected EK-FAC at 0.576. This script computes, from the workload's exact
+per-example gradients (``torch.func``) and its exact influence (``workload.exact_influence``):
+
+- ``ekfac_full`` / ``kfac_full``: EK-FAC / K-FAC in the full, unprojected space (our own, from the
+  layers' token covariances; EK-FAC's eigenvalues are the per-example gradients' second moments in
+  the K-FAC eigenbasis). Not a store: the ceiling a Kronecker curvature model reaches here;
+- ``fisher_kron``: what our store does: each layer's gradient projected by the library's
+  orthogonal projectors at the workload's k per side (k=8: 64 floats a layer, 832 in all), with
+  the damped Fisher of the projected gradients (three projector seeds);
+- ``fisher_eigen``: the same in the top-k K-FAC eigenbasis;
+- ``fisher_layer_jl`` / ``fisher_layer_jl2x``: a dense Gaussian projection of each layer's full
+  gradient (k² or 2k² per layer) with its projected Fisher (forming these needs every per-example
+  gradient in full: what capture avoids);
+- ``fisher_global_jl``: one dense projection of the concatenated gradient to the same total
+  (832) with one Fisher over it (TRAK's construction);
+- ``fisher_global_kron``: our Kronecker coordinates with one Fisher across layers;
+- ``precond_then_kron`` / ``exact_precond_then_kron`` / ``precond_then_eigen``: curvature
+  applied in the full space to the query first (EK-FAC, or the exact damped inverse), then the
+  projected inner product with the stored gradient.
+
+Every λ is 0.1 × the mean eigenvalue of what is inverted (the peers benchmark's convention).
+
+    python -m benchmarks.peers.influence_levers --workdir /tmp/pw    # after a peers run (~2 min)
+    python -m benchmarks.peers.influence_levers                      # prepares a fresh workload first
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from olmo_tda.capture.projection import make_projector
+
+from .workload import (RELATIVE_DAMPING, Workload, exact_gradients, example_losses, linear_names, load,
+                       prepare, spearman_rows)
+
+PEERS = {"Kronfluence (EK-FAC, unprojected)": 0.576, "TRAK (832)": 0.456}
+"""The peers' influence Spearman in the recorded peers run (docs/BENCHMARKS.md), for the table."""
+
+
+def token_covariances(model, train: torch.Tensor, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(A = E[a aᵀ], S = E[g gᵀ])`` over the training tokens (summed token loss)."""
+    modules = dict(model.named_modules())
+    sums = {n: [0.0, 0.0, 0] for n in names}
+    handles = []
+    for name in names:
+        def hook(module, inputs, output, name=name):
+            a = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            sums[name][0] = sums[name][0] + a.T @ a
+            sums[name][2] += len(a)
+
+            def grad_hook(g):
+                g = g.detach().reshape(-1, g.shape[-1]).double()
+                sums[name][1] = sums[name][1] + g.T @ g
+            output.register_hook(grad_hook)
+        handles.append(modules[name].register_forward_hook(hook))
+    try:
+        for lo in range(0, len(train), 64):
+            x = train[lo:lo + 64]
+            model.zero_grad(set_to_none=True)
+            example_losses(model(x), x).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return {n: (a / count, s / count) for n, (a, s, count) in sums.items()}
+
+
+def eig_desc(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, vecs = torch.linalg.eigh(m)
+    return vals.flip(0), vecs.flip(1)
+
+
+def projected_fisher_scores(train: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]`` ``q (F + λI)⁻¹ gᵀ`` with ``F`` the Fisher of the projected train rows ``[N, d]``."""
+    fisher = train.T @ train / len(train)
+    lam = RELATIVE_DAMPING * torch.trace(fisher) / fisher.shape[0]
+    eye = torch.eye(fisher.shape[0], dtype=fisher.dtype)
+    return query @ torch.linalg.solve(fisher + lam * eye, train.T)
+
+
+def run(workdir: Path, seeds: int) -> dict:
+    w, model, train_ids, query_ids = load(workdir)
+    exact = np.load(workdir / "exact_influence.npy")
+    names = linear_names(model)
+    modules = dict(model.named_modules())
+    g_all = exact_gradients(model, train_ids).double()
+    q_all = exact_gradients(model, query_ids).double()
+    n = len(g_all)
+    covs = token_covariances(model, train_ids, names)
+    gen = torch.Generator().manual_seed(0)
+    scores: dict[str, list[torch.Tensor]] = {}
+
+    def add(key: str, rep: int, value: torch.Tensor) -> None:
+        runs = scores.setdefault(key, [])
+        if len(runs) <= rep:
+            runs.append(torch.zeros_like(value))
+        runs[rep] += value
+
+    coords: dict[int, tuple[list, list]] = {rep: ([], []) for rep in range(seeds)}
+    global_jl = {rep: torch.randn(len(names) * w.k * w.k, g_all.shape[1], generator=gen, dtype=torch.float64)
+                 for rep in range(seeds)}
+    lo = 0
+    for name in names:
+        n_out, n_in = modules[name].weight.shape
+        size = n_out * n_in
+        g = g_all[:, lo:lo + size].reshape(n, n_out, n_in)
+        q = q_all[:, lo:lo + size].reshape(len(q_all), n_out, n_in)
+        lo += size
+        gf, qf = g.reshape(n, -1), q.reshape(len(q), -1)
+        lam = RELATIVE_DAMPING * float(gf.pow(2).sum(1).mean()) / size          # exact's λ: 0.1·tr(F)/D
+        a_cov, s_cov = covs[name]
+        ev_in, u_in = eig_desc(a_cov)
+        ev_out, u_out = eig_desc(s_cov)
+        g_rot, q_rot = u_out.T @ g @ u_in, u_out.T @ q @ u_in
+        ekfac = g_rot.pow(2).mean(0)                                             # EK-FAC eigenvalues
+        kfac = torch.outer(ev_out, ev_in)
+        kfac = kfac * (ekfac.sum() / kfac.sum())                                  # the same trace
+        add("ekfac_full", 0, torch.einsum("qoi,noi->qn", q_rot / (ekfac + lam), g_rot))
+        add("kfac_full", 0, torch.einsum("qoi,noi->qn", q_rot / (kfac + lam), g_rot))
+        q_ekfac = u_out @ (q_rot / (ekfac + lam)) @ u_in.T                      # EK-FAC⁻¹ q, full space
+        gram = gf @ gf.T
+        q_exact = ((qf - (qf @ gf.T) @ torch.linalg.solve(n * lam * torch.eye(n, dtype=torch.float64) + gram, gf))
+                   / lam).reshape(q.shape)                                       # (F + λI)⁻¹ q, exact
+        k_out, k_in = min(w.k, n_out), min(w.k, n_in)
+        e_out, e_in = u_out[:, :k_out].T, u_in[:, :k_in].T
+        g_eig = e_out @ g @ e_in.T
+        add("fisher_eigen", 0, projected_fisher_scores(g_eig.reshape(n, -1), (e_out @ q @ e_in.T).reshape(len(q), -1)))
+        add("precond_then_eigen", 0, torch.einsum("qoi,noi->qn", e_out @ q_ekfac @ e_in.T, g_eig))
+        for rep in range(seeds):
+            p_out, p_in = (m.double() for m in
+                           make_projector(name, n_out, n_in, (k_out, k_in), "orthogonal", rep).matrices())
+            scale = size / (k_out * k_in)           # orthonormal rows: E⟨Px, Py⟩ = (k/n)⟨x, y⟩ per side
+            g_p = p_out @ g @ p_in.T
+            q_p = p_out @ q @ p_in.T
+            add("fisher_kron", rep, projected_fisher_scores(g_p.reshape(n, -1), q_p.reshape(len(q), -1)))
+            add("precond_then_kron", rep, scale * torch.einsum("qoi,noi->qn", p_out @ q_ekfac @ p_in.T, g_p))
+            add("exact_precond_then_kron", rep, scale * torch.einsum("qoi,noi->qn", p_out @ q_exact @ p_in.T, g_p))
+            coords[rep][0].append(math.sqrt(scale) * g_p.reshape(n, -1))
+            coords[rep][1].append(math.sqrt(scale) * q_p.reshape(len(q), -1))
+            for key, width in (("fisher_layer_jl", w.k * w.k), ("fisher_layer_jl2x", 2 * w.k * w.k)):
+                r = torch.randn(width, size, generator=gen, dtype=torch.float64)
+                add(key, rep, projected_fisher_scores(gf @ r.T, qf @ r.T))
+    for rep in range(seeds):
+        add("fisher_global_kron", rep, projected_fisher_scores(torch.cat(coords[rep][0], 1), torch.cat(coords[rep][1], 1)))
+        r = global_jl[rep]
+        add("fisher_global_jl", rep, projected_fisher_scores(g_all @ r.T, q_all @ r.T))
+    rho = {key: [spearman_rows(exact, s.numpy()) for s in runs] for key, runs in scores.items()}
+    budget = len(names) * w.k * w.k
+    floats = {key: ("all" if key.endswith("_full") else 2 * budget if key.endswith("2x") else budget) for key in rho}
+    return {key: {"spearman": round(float(np.mean(v)), 4), "runs": [round(x, 4) for x in v], "floats": floats[key]}
+            for key, v in rho.items()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default=None, help="a peers run's workdir (default: a fresh one under /tmp)")
+    p.add_argument("--seeds", type=int, default=3, help="projection seeds for the random rows")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    t0 = time.perf_counter()
+    workdir = Path(args.workdir or "/tmp/olmo_tda_influence_levers")
+    if not (workdir / "exact_influence.npy").exists():
+        prepare(workdir, Workload())
+    result = run(workdir, args.seeds)
+    print(f"influence levers: peers workload ({workdir}), Spearman vs exact per-layer damped empirical-Fisher "
+          f"influence, mean over {args.seeds} projection seed(s)")
+    print(f"{'approximation':28s} {'floats/example':>16s} {'Spearman':>9s}  runs")
+    for key, r in sorted(result.items(), key=lambda kv: -kv[1]["spearman"]):
+        print(f"{key:28s} {r['floats']:>16} {r['spearman']:9.3f}  {r['runs']}")
+    for peer, value in PEERS.items():
+        print(f"{'(peer) ' + peer:45s} {value:9.3f}")
+    out = {"benchmark": "influence_levers", "workdir": str(workdir), "seeds": args.seeds, "results": result,
+           "peers_recorded": PEERS, "seconds": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
