@@ -9,7 +9,10 @@ pool of three real-text sources, one memmap file each (so rounds report the frac
 
 Validation: held-out reference-manual passages (never trained on, never in the selection target).
 The selection target is another disjoint set of reference-manual passages. The run budget is less
-than one epoch of the pool (the data-rich regime of pretraining), so the order decides what is seen.
+than one epoch of the pool (the data-rich regime of pretraining), so the order decides what is seen;
+in ``filter`` mode each round reads ``1 / keep_fraction`` fresh candidates per example trained, and the
+pool is sized so that those never run out (demoted examples wait at the end of the epoch: a run that
+reached them would train on its own rejects; the script refuses such a setting).
 
 Arms: ``none`` (plain OLMo order, ``tda.enabled: false``) and ``random``, ``loss``, ``gradnorm``,
 ``alignment``, ``greats`` (``tda.selection`` rounds every ``--every`` steps over the next ``--window``
@@ -18,7 +21,8 @@ the control for "which half"). Each arm runs the same seeds (model init and base
 
 - ``steps_saved_frac`` = 1 − (first step at which the arm's validation loss reaches the ``none``
   arm's final one, linearly interpolated between evaluations) / the ``none`` arm's steps; 0 when
-  never reached.
+  never reached. Both curves are first averaged over the last ``--smooth`` evaluations (3: 30
+  steps), since on raw curves even the reference "reached" its own final loss 10% early.
 - ``compute_matched_delta``: the arm's validation loss once its training steps plus its selection
   rounds (converted to steps by this run's median step time) cost what the ``none`` arm's steps cost,
   minus the ``none`` arm's final loss (negative = better).
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import platform
 import re
 import statistics
@@ -205,17 +210,27 @@ def compute_matched_step(result: dict, budget_steps: int) -> float:
     return float(prev)
 
 
-def summarize(results: dict[str, list[dict]], steps: int) -> dict:
+def smoothed(curve: list[tuple[int, float]], width: int) -> list[tuple[int, float]]:
+    """Each evaluation replaced by the mean of the last ``width`` (fewer at the start): the loss of
+    a run this short moves by more between evaluations than the arms differ by at the end, so the
+    first crossing of a level on the raw curve is mostly noise (the reference even "reaches" its
+    own final loss early)."""
+    vals = [v for _, v in curve]
+    return [(s, float(np.mean(vals[max(0, i - width + 1):i + 1]))) for i, (s, _) in enumerate(curve)]
+
+
+def summarize(results: dict[str, list[dict]], steps: int, smooth: int = 1) -> dict:
     base = results["none"]
     out = {}
     for arm, runs in results.items():
         saved, matched, finals, overhead = [], [], [], []
         for run, ref in zip(runs, base):
-            level = ref["curve"][-1][1]
-            reach = steps_to_reach(run["curve"], level)
+            curve, ref_curve = smoothed(run["curve"], smooth), smoothed(ref["curve"], smooth)
+            level = ref_curve[-1][1]
+            reach = steps_to_reach(curve, level)
             saved.append(0.0 if reach is None else 1.0 - reach / steps)
-            matched.append(loss_at(run["curve"], compute_matched_step(run, steps)) - level)
-            finals.append(run["curve"][-1][1] - level)
+            matched.append(loss_at(curve, compute_matched_step(run, steps)) - level)
+            finals.append(curve[-1][1] - level)
             overhead.append(sum(run["round_s"].values()) / (run["step_s"] * steps))
         out[arm] = {"steps_saved_frac": float(np.mean(saved)), "compute_matched_delta": float(np.mean(matched)),
                     "final_delta": float(np.mean(finals)), "selection_overhead": float(np.mean(overhead)),
@@ -255,7 +270,8 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-each", type=int, default=2000, help="training passages per source")
+    p.add_argument("--n-each", type=int, default=3200,
+                   help="training passages per source (the filter arms read steps*batch/keep_fraction of them)")
     p.add_argument("--n-val", type=int, default=256)
     p.add_argument("--every", type=int, default=10, help="selection.every_n")
     p.add_argument("--window", type=int, default=320, help="selection.window")
@@ -266,6 +282,8 @@ def main(argv=None) -> dict:
     p.add_argument("--proj-dim", type=int, default=16)
     p.add_argument("--score-tokens", type=int, default=0, help="0 = all (16 scored noticeably worse)")
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--smooth", type=int, default=3,
+                   help="validation losses averaged over the last N evaluations before the metrics (1 = raw)")
     p.add_argument("--out", default=None, help="folder for runs and the PNG (default: a temp dir; PNG in docs/)")
     p.add_argument("--png", default=str(ROOT / "docs" / "selection_curves.png"))
     args = p.parse_args(argv)
@@ -274,6 +292,11 @@ def main(argv=None) -> dict:
     arms = args.arms.split(",")
     if "none" not in arms:
         raise SystemExit("selection: the 'none' arm is the reference; keep it in --arms")
+    read = args.steps * args.batch / (args.keep_fraction if args.mode == "filter" else 1.0) + args.window
+    if read > 3 * args.n_each:
+        raise SystemExit(f"selection: the filter arms would read {read:.0f} candidates but the pool holds "
+                         f"{3 * args.n_each}: past that they would train on the examples they demoted. "
+                         f"Raise --n-each to {math.ceil(read / 3)} or lower --steps / raise --keep-fraction")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     t_start = time.perf_counter()
     folder = Path(args.out or tempfile.mkdtemp(prefix="olmo_tda_selection_"))
@@ -293,13 +316,13 @@ def main(argv=None) -> dict:
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
-    summary = summarize(results, args.steps)
+    summary = summarize(results, args.steps, args.smooth)
     plot(results, Path(args.png))
     print(f"\nselection: tiny OLMo d_model {args.d_model}, {args.steps} steps x {args.batch} x {args.seq} bytes "
           f"(pool {3 * args.n_each}: {args.steps * args.batch / (3 * args.n_each):.2f} epoch), rounds every "
           f"{args.every} steps over {args.window} upcoming examples ({args.mode}), scored on "
           f"{args.score_tokens or args.seq} tokens, "
-          f"k={args.proj_dim}, {args.seeds} seed(s)")
+          f"k={args.proj_dim}, {args.seeds} seed(s), curves averaged over the last {args.smooth} evaluations")
     print(f"{'arm':10s} {'steps_saved':>11s} {'cm_delta':>9s} {'final_delta':>11s} {'overhead':>9s} {'target@front':>12s}")
     for arm, s in summary.items():
         front = "-" if s["front_target_frac"] is None else f"{s['front_target_frac']:.2f}"
@@ -313,6 +336,8 @@ def main(argv=None) -> dict:
               "arms": {a: {k: (round(v, 5) if isinstance(v, float) else v) for k, v in s.items()}
                        for a, s in summary.items()},
               "curves": {a: [[s, round(v, 5)] for s, v in runs[0]["curve"]] for a, runs in results.items()},
+              "curves_by_seed": {a: [[[s, round(v, 5)] for s, v in run["curve"]] for run in runs]
+                                 for a, runs in results.items()},
               "config": {k: v for k, v in vars(args).items() if k not in ("out", "png")}, "png": args.png,
               "seconds": round(time.perf_counter() - t_start, 1), "torch": torch.__version__,
               "python": platform.python_version()}
