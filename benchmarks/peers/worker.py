@@ -508,18 +508,26 @@ SYSTEMS = {
 # ---------------------------------------------------------------------------------------------------
 
 
-def run_attr(system: str, workdir: Path, out: Path) -> dict:
+def _scores_of(system: str, mode: str, workdir: Path, out: Path) -> tuple[dict, int, float]:
+    """Run ``SYSTEMS[system][mode]`` on the workload, save its ``[Q, N]`` scores next to ``out``:
+    ``(its other results, N, peak RSS in MB before it ran)``."""
     w, model, train, query = load(workdir)
     warm_up(model, train[:w.batch])
     base = peak_rss_mb()
-    with tempfile.TemporaryDirectory(prefix=f"peers_{system}_") as tmp:
-        r = SYSTEMS[system]["attr"](w, model, train, query, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix=f"peers_{system}_{mode}_") as tmp:
+        r = SYSTEMS[system][mode](w, model, train, query, Path(tmp))
     scores = np.asarray(r.pop("scores"), dtype=np.float64)
     if scores.shape != (len(query), len(train)):
-        raise RuntimeError(f"{system} returned scores of shape {scores.shape}, expected {(len(query), len(train))}")
+        raise RuntimeError(f"{system} returned {mode} scores of shape {scores.shape}, "
+                           f"expected {(len(query), len(train))}")
     np.save(out.with_suffix(".npy"), scores)
+    return r, len(train), base
+
+
+def run_attr(system: str, workdir: Path, out: Path) -> dict:
+    r, n, base = _scores_of(system, "attr", workdir, out)
     peak = peak_rss_mb()
-    return {**r, "examples_per_s": len(train) / r["train_s"], "bytes_per_example": r["store_bytes"] / len(train),
+    return {**r, "examples_per_s": n / r["train_s"], "bytes_per_example": r["store_bytes"] / n,
             "peak_rss_mb": peak, "peak_over_model_mb": peak - base}
 
 
@@ -559,15 +567,7 @@ def run_overhead(system: str, workdir: Path, out: Path, rounds: int = 6, block: 
 
 
 def run_infl(system: str, workdir: Path, out: Path) -> dict:
-    w, model, train, query = load(workdir)
-    warm_up(model, train[:w.batch])
-    with tempfile.TemporaryDirectory(prefix=f"peers_{system}_infl_") as tmp:
-        r = SYSTEMS[system]["infl"](w, model, train, query, Path(tmp))
-    scores = np.asarray(r.pop("scores"), dtype=np.float64)
-    if scores.shape != (len(query), len(train)):
-        raise RuntimeError(f"{system} returned influence scores of shape {scores.shape}")
-    np.save(out.with_suffix(".npy"), scores)
-    return r
+    return _scores_of(system, "infl", workdir, out)[0]
 
 
 def main(argv: list[str]) -> int:
