@@ -132,7 +132,9 @@ def run_arm(arm: str, seed: int, paths: dict[str, Path], val_tokens: torch.Tenso
                       f"--tda.selection.target_examples={args.target_examples}",
                       f"--tda.selection.proj_dim={args.proj_dim}", f"--tda.selection.score_tokens={args.score_tokens}",
                       f"--tda.selection.seed={seed}", f"--tda.selection.mode={args.mode}",
-                      f"--tda.selection.keep_fraction={args.keep_fraction}"]
+                      f"--tda.selection.keep_fraction={args.keep_fraction}",
+                      f"--tda.selection.embeddings={str(args.embeddings).lower()}",
+                      f"--tda.selection.exclude_modules=[{args.exclude}]"]
     cfg, tda = load_configs(ROOT / "configs" / "demo_tiny.yaml", overrides)
     curve, step_s, round_s = [], [], {}
     state = {"t": None, "trainer": None}
@@ -280,6 +282,9 @@ def main(argv=None) -> dict:
     p.add_argument("--keep-fraction", type=float, default=0.5, help="filter mode")
     p.add_argument("--target-examples", type=int, default=64)
     p.add_argument("--proj-dim", type=int, default=16)
+    p.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=False,
+                   help="selection.embeddings: score the token-embedding gradient too")
+    p.add_argument("--exclude", default="", help="selection.exclude_modules, comma-separated fnmatch patterns")
     p.add_argument("--score-tokens", type=int, default=0, help="0 = all (16 scored noticeably worse)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--smooth", type=int, default=3,

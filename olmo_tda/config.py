@@ -140,11 +140,17 @@ class CaptureConfig:
     seed: int = 0
     """Projector seed. Matrices derive from (seed, module name, side): identical on every rank."""
     modules: list[str] = field(default_factory=lambda: ["*"])
-    """fnmatch patterns on module names (``model.named_modules()``) selecting nn.Linear layers."""
+    """fnmatch patterns on module names (``model.named_modules()``) selecting nn.Linear layers (and
+    nn.Embedding layers with ``embeddings: true``)."""
     exclude: list[str] = field(default_factory=list)
     """fnmatch patterns removed from the selection (e.g. ``"*ff_out"`` for an untied output head)."""
     include_bias: bool = True
     """Capture a layer's bias gradient as one extra input column (only for layers with a bias)."""
+    embeddings: bool = False
+    """Also capture ``nn.Embedding`` layers that ``modules``/``exclude`` select, as a Linear on one-hot
+    token inputs: the stored gradient is ``P_out (∂L/∂W)ᵀ P_inᵀ`` of the ``[V, d]`` table (token side
+    ``V``, projected by looking up columns of ``P_in``; no one-hot is formed). A tied output head's
+    share of the table's gradient goes through ``F.linear`` and is not in it. Random projections only."""
     rank: int = 0
     """LoRIF factor rank c: store each example's projected gradient as ``A [k_out, c] Bᵀ [c, k_in]``
     (exact when the example has <= c tokens, else its best rank-c approximation). 0 = dense. A layer
@@ -180,6 +186,9 @@ class CaptureConfig:
         if self.basis and self.proj_type is not ProjectionType.EIGEN:
             warnings.warn(f"{path}.basis is ignored: proj_type is {self.proj_type.value!r}, not 'eigen'", stacklevel=2)
         _check(len(self.modules) > 0, f"{path}.modules", "needs at least one pattern ('*' = all)")
+        _check(not (self.embeddings and self.proj_type is ProjectionType.EIGEN and not self.exact),
+               f"{path}.embeddings", "is not supported with proj_type 'eigen' (the eigenbasis covers Linear layers "
+               "only): use a random proj_type, or embeddings: false")
         for i, o in enumerate(self.overrides):
             where = f"{path}.overrides[{i}]"
             _check(len(o.modules) > 0, f"{where}.modules", "needs at least one pattern")
@@ -378,8 +387,11 @@ class SelectionConfig:
     target_examples: int = 64
     """How many target examples form the target gradient (the first n of ``target``)."""
     exclude_modules: list[str] = field(default_factory=list)
-    """fnmatch patterns of Linear layers left out of the score (e.g. ``"*ff_out"`` for the output
-    head); they are still trained."""
+    """fnmatch patterns of layers left out of the score (e.g. ``"*ff_out"`` for the output head);
+    they are still trained."""
+    embeddings: bool = False
+    """Score the token-embedding table's gradient too (``capture.embeddings``). A learned position
+    table broadcast over the batch (OLMo's ``wpe``) has no per-example gradient: exclude it."""
     proj_dim: int = 32
     """Projection width per side of the gradients a round compares (0 = exact)."""
     score_tokens: int = 0

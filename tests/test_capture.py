@@ -328,3 +328,82 @@ def test_misuse_gets_clear_errors(caplog):
     with caplog.at_level("WARNING"):
         rec.dense()
     assert "out_proj" in caplog.text and "capture.exclude" in caplog.text
+
+
+# -- embeddings (capture.embeddings) ------------------------------------------------------------
+
+def test_olmo_embedding_exact_and_projected():
+    """The token table's per-example gradient, transposed (a Linear on one-hot inputs), equals
+    torch.func's; projected, it equals P_out Gᵀ P_inᵀ of the exact one. Linears are unchanged."""
+    model = tiny_olmo()
+    ids = _ids()
+    ids[0, :3] = ids[0, 5]                      # a token repeated in one example: its rows add up
+    exact = exact_per_example_grads(model, ids)
+    for cfg in (CaptureConfig(proj_dim=0, embeddings=True, exclude=["*wpe"]),
+                CaptureConfig(proj_dim=(16, 8), seed=5, embeddings=True, exclude=["*wpe"])):
+        cap = GradientCapture(model, cfg)
+        assert "transformer.wte" in cap.modules and cap.layer_shapes["transformer.wte"] == (
+            (64, 96) if cfg.exact else (16, 8))
+        with cap.record(range(3)) as rec:
+            token_losses(model(ids).logits, ids).sum().backward()
+        model.zero_grad()
+        p_out, p_in = cap.projection("transformer.wte")
+        want = p_out @ exact["transformer.wte.weight"].transpose(1, 2) @ p_in.T
+        assert rel_err(rec.dense()["transformer.wte"], want) < TOL
+        name = "transformer.blocks.0.att_proj"
+        p_out, p_in = cap.projection(name)
+        assert rel_err(rec.dense()[name], p_out @ exact[name + ".weight"] @ p_in.T) < TOL
+        cap.remove()
+    # the learned position table is looked up once ([1, T]) and broadcast: no per-example gradient
+    cap = GradientCapture(model, CaptureConfig(proj_dim=4, embeddings=True))
+    with pytest.raises(CaptureError, match="wpe is an embedding.*capture.exclude"):
+        with cap.record(range(3)):
+            token_losses(model(ids).logits, ids).sum().backward()
+    cap.remove()
+
+
+def test_embedding_padding_idx_and_factored_route():
+    """padding_idx rows get no gradient (as in torch); LoRIF factors (T <= c: exact) agree."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 6, padding_idx=0), nn.Tanh(), nn.Linear(6, 3))
+    x = torch.randint(1, 20, (4, 4), generator=torch.Generator().manual_seed(2))
+    x[:, -2:] = 0                               # padded tails
+    y = torch.randn(4, 4, 3)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    exact = vmap(grad(lambda p, xi, yi: ((functional_call(model, p, (xi[None],)) - yi) ** 2).sum()),
+                 in_dims=(None, 0, 0))(params, x, y)["0.weight"].transpose(1, 2)
+    assert exact[:, :, 0].abs().max() == 0 and exact.abs().max() > 0      # torch's own rule
+    for cfg in (CaptureConfig(proj_dim=0, embeddings=True), CaptureConfig(proj_dim=(4, 8), seed=1, embeddings=True),
+                CaptureConfig(proj_dim=0, embeddings=True, rank=4)):
+        cap = GradientCapture(model, cfg)
+        with cap.record(range(4)) as rec:
+            ((model(x) - y) ** 2).sum().backward()
+        p_out, p_in = cap.projection("0")
+        want = p_out @ exact @ p_in.T
+        assert rel_err(rec.dense()["0"], want) < TOL
+        if cfg.rank:                            # 4 * (6 + 20) < 6 * 20: stored as factors, exact for T = 4
+            stored = rec.stored()["0"]
+            assert stored.A.shape == (4, 6, 4)
+            assert rel_err(stored.A @ stored.B.transpose(1, 2), want) < TOL
+        cap.remove()
+        model.zero_grad()
+
+
+def test_embedding_selection_rules_and_errors():
+    model = tiny_olmo()
+    cap = GradientCapture(model, CaptureConfig(proj_dim=4))
+    assert "transformer.wte" not in cap.modules         # off by default: stores keep their layout
+    cap.remove()
+    cap = GradientCapture(model, CaptureConfig(proj_dim=4, embeddings=True, modules=["*wte"]))
+    assert list(cap.modules) == ["transformer.wte"]
+    cap.remove()
+    with pytest.raises(CaptureError, match="selects no nn.Linear or nn.Embedding"):
+        GradientCapture(model, CaptureConfig(embeddings=True, modules=["nothing*"]))
+    freq = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Linear(4, 2))
+    with pytest.raises(CaptureError, match="scale_grad_by_freq"):
+        GradientCapture(freq, CaptureConfig(embeddings=True))
+    from olmo_tda.config import ConfigError
+    with pytest.raises(ConfigError, match="embeddings"):
+        CaptureConfig(embeddings=True, proj_type="eigen", basis="x.safetensors").validate()

@@ -195,6 +195,35 @@ def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path):
     sel.close()
 
 
+def test_round_with_embeddings_scores_the_exact_table_gradient(tmp_path):
+    """``embeddings: true`` adds the token table to the score: the round's alignment order is the
+    one of exact gradients over the Linears and the (transposed) table; wpe is left out."""
+    model = tiny_olmo()
+    data, target = _tokens(16), _tokens(4, seed=1)
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment", target=str(tmp_path / "target.txt"),
+                          proj_dim=0, target_examples=4, micro_batch=5, embeddings=True, exclude_modules=["*wpe"])
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
+                         target_tokens=target)
+    assert "transformer.wte" in sel.capture.modules and "transformer.wpe" not in sel.capture.modules
+    new, stats = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
+                         tokens_per_batch=48, batch_size=4)
+    model.eval()
+    exact, exact_t = exact_per_example_grads(model, data[2:14]), exact_per_example_grads(model, target)
+
+    def flat(g, n):
+        rows = [g[f"{m}.weight"].transpose(1, 2) if m.endswith("wte") else g[f"{m}.weight"] for m in sel.capture.modules]
+        return torch.cat([r.reshape(n, -1) for r in rows], dim=1).double()
+    align = flat(exact, 12) @ (flat(exact_t, 4).sum(0) / (4 * 11))
+    want, _ = order_window("alignment", align=align.numpy())
+    assert np.array_equal(new[2:14], 2 + want)
+    # without the table the order differs: the table's gradient is not negligible here
+    no_table = torch.cat([exact[f"{m}.weight"].reshape(12, -1) for m in sel.capture.modules if not m.endswith("wte")], 1)
+    no_table_t = torch.cat([exact_t[f"{m}.weight"].reshape(4, -1) for m in sel.capture.modules if not m.endswith("wte")], 1)
+    assert not np.array_equal(np.argsort(-(no_table.double() @ no_table_t.double().sum(0)).numpy()), want)
+    sel.close()
+
+
 def test_round_at_the_end_of_the_epoch_does_nothing(tmp_path):
     model = tiny_olmo()
     cfg = SelectionConfig(enabled=True, every_n=1, window=4, policy="loss")

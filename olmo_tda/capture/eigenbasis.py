@@ -369,7 +369,7 @@ def _select(model: nn.Module, config: CaptureConfig) -> tuple[dict[str, nn.Linea
     them capture a bias column: exactly the capture's own selection rule."""
     from .hooks import select_linears
 
-    modules = select_linears(model, config)
+    modules = {n: m for n, m in select_linears(model, config).items() if isinstance(m, nn.Linear)}
     return modules, {n: config.include_bias and m.bias is not None for n, m in modules.items()}
 
 

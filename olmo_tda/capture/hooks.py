@@ -92,10 +92,14 @@ class Recording:
         rows, new_rows = _part_rows(part), _rows(grad)
         if part and new_rows != rows:
             other = next(iter(part))
+            embeddings = [n for n in (name, other) if isinstance(self._capture.modules.get(n), nn.Embedding)]
             raise CaptureError(
                 f"layer {name} saw {new_rows} examples but {other} saw {rows} in the same forward: "
-                "capture needs every captured Linear's input batch-first ([B, ..., features]); exclude layers "
-                "that flatten or permute the batch (e.g. MoE experts, seq-first [T, B, H] inputs)")
+                "capture needs every captured layer's input batch-first ([B, ..., features]); exclude layers "
+                "that flatten or permute the batch (e.g. MoE experts, seq-first [T, B, H] inputs)"
+                + (f". {embeddings[0]} is an embedding: one looked up once and broadcast over the batch (a "
+                   "learned position embedding, e.g. OLMo's wpe) has no per-example gradient; add it to "
+                   "capture.exclude" if embeddings else ""))
         old = part.get(name)
         if old is None:
             part[name] = grad
@@ -202,33 +206,50 @@ def _as_ids(ids: Any) -> np.ndarray:
     return arr.astype(np.int64).reshape(-1)
 
 
-def select_linears(model: nn.Module, config: CaptureConfig) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` layers ``config`` selects (``modules`` minus ``exclude``), by canonical name:
-    what :class:`GradientCapture` hooks and :mod:`.eigenbasis` estimates covariances for."""
-    linears: dict[str, nn.Linear] = {}
+def select_linears(model: nn.Module, config: CaptureConfig) -> dict[str, nn.Linear | nn.Embedding]:
+    """The layers ``config`` selects (``modules`` minus ``exclude``), by canonical name: every
+    ``nn.Linear``, and every ``nn.Embedding`` with ``config.embeddings``. What :class:`GradientCapture`
+    hooks and :mod:`.eigenbasis` estimates covariances for (Linear only: eigen refuses embeddings)."""
+    kinds = (nn.Linear, nn.Embedding) if config.embeddings else (nn.Linear,)
+    what = "nn.Linear or nn.Embedding" if config.embeddings else "nn.Linear"
+    layers: dict[str, nn.Module] = {}
     raw_names: dict[str, str] = {}
     for raw, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, kinds):
             continue
         name = canonical_name(raw)
-        if name in linears and linears[name] is not module:
-            raise CaptureError(f"Linear layers {raw_names[name]!r} and {raw!r} have the same canonical name "
+        if name in layers and layers[name] is not module:
+            raise CaptureError(f"layers {raw_names[name]!r} and {raw!r} have the same canonical name "
                                f"{name!r} once wrapper segments are removed; projector seeds derive from "
                                "names, so rename one of the modules")
-        linears[name], raw_names[name] = module, raw
-    chosen = {n: m for n, m in linears.items()
+        layers[name], raw_names[name] = module, raw
+    chosen = {n: m for n, m in layers.items()
               if any(fnmatch.fnmatchcase(n, p) for p in config.modules)
               and not any(fnmatch.fnmatchcase(n, p) for p in config.exclude)}
     if not chosen:
         raise CaptureError(
-            f"capture.modules={config.modules} exclude={config.exclude} selects no nn.Linear; "
-            f"the model's Linear layers are: {sorted(linears)[:20]}{' ...' if len(linears) > 20 else ''}")
+            f"capture.modules={config.modules} exclude={config.exclude} selects no {what}; "
+            f"the model's {what} layers are: {sorted(layers)[:20]}{' ...' if len(layers) > 20 else ''}")
+    for name, m in chosen.items():
+        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
+            raise CaptureError(f"embedding {name} has scale_grad_by_freq=True: its gradient is scaled by token "
+                               "counts of the whole batch, so an example's gradient depends on the others; "
+                               "exclude it from capture")
     return chosen
 
 
+def layer_dims(module: nn.Module) -> tuple[int, int]:
+    """``(n_out, n_in)`` of a captured layer's gradient, bias column not counted: a Linear's
+    ``(out_features, in_features)``; an embedding's ``(embedding_dim, num_embeddings)`` (the
+    transposed table, as a Linear on one-hot inputs)."""
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim, module.num_embeddings
+    return module.out_features, module.in_features
+
+
 class GradientCapture:
-    """Owns the hooks on a model's selected ``nn.Linear`` layers and turns backward passes into
-    per-example projected gradients.
+    """Owns the hooks on a model's selected ``nn.Linear`` layers (and ``nn.Embedding`` layers with
+    ``capture.embeddings``) and turns backward passes into per-example projected gradients.
 
     Args:
         model: the (possibly DDP/FSDP-wrapped) model. Layers are named canonically, wrappers removed.
@@ -251,10 +272,11 @@ class GradientCapture:
         self._warned_silent: set[str] = set()
         self._projector_hash: str | None = None
         self._layer_ranks: dict[str, int] | None = None
-        self.modules: dict[str, nn.Linear] = select_linears(model, self.config) if enabled else {}
-        self._with_bias = {n: self.config.include_bias and m.bias is not None for n, m in self.modules.items()}
+        self.modules: dict[str, nn.Module] = select_linears(model, self.config) if enabled else {}
+        self._with_bias = {n: self.config.include_bias and getattr(m, "bias", None) is not None
+                           for n, m in self.modules.items()}
         self.projectors: dict[str, Projector] = {
-            name: make_projector(name, m.out_features, m.in_features + self._with_bias[name],
+            name: make_projector(name, layer_dims(m)[0], layer_dims(m)[1] + self._with_bias[name],
                                  self.config.dims_for(name), self.config.proj_type, self.config.seed,
                                  basis=self.config.basis)
             for name, m in self.modules.items()
@@ -285,17 +307,23 @@ class GradientCapture:
         if torch.is_grad_enabled() and not _in_backward():
             self._pending_forwards += 1
 
-    def _on_forward(self, name: str, module: nn.Linear, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
+    def _on_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
         if self._paused or not torch.is_grad_enabled() or not output.requires_grad:
             return
         acts = (args[0] if args else kwargs["input"]).detach()
-        if acts.ndim < 2:
-            raise CaptureError(f"layer {name} got an unbatched input of shape {tuple(acts.shape)}; capture "
-                               "needs a leading batch dimension ([B, ..., features])")
         proj = self.projectors[name].to(acts.device)
-        with _fp32(acts.device.type):
-            acts_BTKi = proj.project_in(acts.reshape(acts.shape[0], -1, acts.shape[-1]).float(),
-                                        self._with_bias[name])
+        if isinstance(module, nn.Embedding):
+            if acts.ndim < 1:
+                raise CaptureError(f"embedding {name} got a scalar input; capture needs a leading batch dimension "
+                                   "([B, ...] token ids)")
+            acts_BTKi = proj.project_ids(acts.reshape(acts.shape[0], -1), module.padding_idx)
+        else:
+            if acts.ndim < 2:
+                raise CaptureError(f"layer {name} got an unbatched input of shape {tuple(acts.shape)}; capture "
+                                   "needs a leading batch dimension ([B, ..., features])")
+            with _fp32(acts.device.type):
+                acts_BTKi = proj.project_in(acts.reshape(acts.shape[0], -1, acts.shape[-1]).float(),
+                                            self._with_bias[name])
         # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
         # re-entrant checkpointing, where they belong to the forward being backpropagated.
         output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi))

@@ -42,12 +42,16 @@ class Projector(Protocol):
 
     ``n_in`` counts the bias column when the layer's bias is captured: ``project_in`` receives the
     raw input (without the column) and adds the bias term itself, so no concatenation is needed.
+    ``project_ids`` is ``project_in`` of one-hot rows given as integer ids (an embedding table,
+    ``n_in`` = its vocabulary): a lookup of ``P_in``'s columns; ``padding_idx`` rows project to 0
+    (that table row gets no gradient).
     """
 
     k_out: int
     k_in: int
 
     def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor: ...
+    def project_ids(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor: ...
     def project_out(self, grads: torch.Tensor) -> torch.Tensor: ...
     def matrices(self) -> tuple[torch.Tensor, torch.Tensor]: ...
     def spec(self) -> dict[str, Any]: ...
@@ -75,6 +79,9 @@ class IdentityProjector:
     def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor:
         return _append_ones(acts) if with_bias else acts
 
+    def project_ids(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        return _mask_padding(F.one_hot(ids, self.k_in).float(), ids, padding_idx)
+
     def project_out(self, grads: torch.Tensor) -> torch.Tensor:
         return grads
 
@@ -86,6 +93,10 @@ class IdentityProjector:
 
     def to(self, device: torch.device) -> "IdentityProjector":
         return self
+
+
+def _mask_padding(rows: torch.Tensor, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+    return rows if padding_idx is None else rows.masked_fill_((ids == padding_idx).unsqueeze(-1), 0.0)
 
 
 def _is_identity(mat: torch.Tensor) -> bool:
@@ -119,6 +130,7 @@ class MatrixProjector:
         self._in_W = self.proj_in_KI.contiguous().to(device)              # [k_in, n_in]
         self._in_W_nobias = self._in_W[:, : self.n_in - 1].contiguous()
         self._bias_col = self._in_W[:, -1].contiguous()
+        self._in_W_T: torch.Tensor | None = None        # [n_in, k_in], made on first project_ids
         self._out_identity = _is_identity(self.proj_out_KO)
         self._in_identity = _is_identity(self.proj_in_KI)
 
@@ -129,6 +141,13 @@ class MatrixProjector:
             return F.linear(acts, self._in_W)
         # [a, 1] @ P_inᵀ == a @ P_inᵀ[:-1] + P_inᵀ[-1]: no concatenated copy of the activations.
         return F.linear(acts, self._in_W_nobias, self._bias_col)
+
+    def project_ids(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        if self._in_identity:
+            return _mask_padding(F.one_hot(ids, self.n_in).float(), ids, padding_idx)
+        if self._in_W_T is None:
+            self._in_W_T = self._in_W.T.contiguous()
+        return _mask_padding(F.embedding(ids, self._in_W_T), ids, padding_idx)
 
     def project_out(self, grads: torch.Tensor) -> torch.Tensor:
         return grads if self._out_identity else F.linear(grads, self._out_W)

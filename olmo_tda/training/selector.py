@@ -161,7 +161,7 @@ class OnlineSelector:
         self.capture = None
         if "grads" in self._needs:
             cap = CaptureConfig(proj_dim=config.proj_dim, proj_type=ProjectionType.ORTHOGONAL, seed=config.seed,
-                                exclude=list(config.exclude_modules))
+                                exclude=list(config.exclude_modules), embeddings=config.embeddings)
             self.capture = GradientCapture(model, cap)
             self.capture.pause()                # silent during training steps; resumed inside a round
         self._prev_scores: dict[int, float] | None = None
