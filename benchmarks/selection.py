@@ -17,7 +17,9 @@ reached them would train on its own rejects; the script refuses such a setting).
 Arms: ``none`` (plain OLMo order, ``tda.enabled: false``) and ``random``, ``loss``, ``gradnorm``,
 ``alignment``, ``greats`` (``tda.selection`` rounds every ``--every`` steps over the next ``--window``
 examples; ``--mode filter`` by default, keeping half of each window — the random arm too, so it is
-the control for "which half"). Each arm runs the same seeds (model init and base order per seed).
+the control for "which half"), and ``alignment-head``, ``greats-head``: the same policies scored on
+the output head's gradient only (``exclude_modules`` = every block), whose round runs no backward
+through the network. Each arm runs the same seeds (model init and base order per seed).
 
 - ``steps_saved_frac`` = 1 − (first step at which the arm's validation loss reaches the ``none``
   arm's final one, linearly interpolated between evaluations) / the ``none`` arm's steps; 0 when
@@ -29,8 +31,8 @@ the control for "which half"). Each arm runs the same seeds (model init and base
 
 The headline keys are GREATS' (the mean over seeds); every arm's are in ``arms``.
 
-    python benchmarks/selection.py --quick     # 1 seed, ~4 min on 2 cores
-    python benchmarks/selection.py             # 3 seeds, ~12 min
+    python benchmarks/selection.py --quick     # 1 seed, ~7 min on 2 cores
+    python benchmarks/selection.py             # 3 seeds, ~20 min
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ["none", "random", "loss", "gradnorm", "alignment", "greats"]
+ARMS = ["none", "random", "loss", "gradnorm", "alignment", "greats", "alignment-head", "greats-head"]
+SCOPES = {"head": "transformer.blocks.*"}
+"""Arm suffixes: ``greats-head`` scores with the output head's gradient only (every block excluded),
+so a round's backward stops at the logits."""
 _CODE_MODULES = ["argparse", "collections", "dataclasses", "difflib", "enum", "functools", "inspect", "json",
                  "logging", "pathlib", "pprint", "shutil", "statistics", "string", "tempfile", "textwrap",
                  "threading", "typing", "unittest", "zipfile", "tarfile", "csv", "calendar", "configparser",
@@ -126,15 +131,17 @@ def run_arm(arm: str, seed: int, paths: dict[str, Path], val_tokens: torch.Tenso
     if arm == "none":
         overrides.append("--tda.enabled=false")
     else:
-        overrides += ["--tda.enabled=true", "--tda.selection.enabled=true", f"--tda.selection.policy={arm}",
+        policy, _, scope = arm.partition("-")
+        exclude = SCOPES[scope] if scope else args.exclude
+        overrides += ["--tda.enabled=true", "--tda.selection.enabled=true", f"--tda.selection.policy={policy}",
                       f"--tda.selection.every_n={args.every}", f"--tda.selection.window={args.window}",
                       f"--tda.selection.target={paths['target'].parent.parent / 'target.txt'}",
                       f"--tda.selection.target_examples={args.target_examples}",
                       f"--tda.selection.proj_dim={args.proj_dim}", f"--tda.selection.score_tokens={args.score_tokens}",
                       f"--tda.selection.seed={seed}", f"--tda.selection.mode={args.mode}",
                       f"--tda.selection.keep_fraction={args.keep_fraction}",
-                      f"--tda.selection.embeddings={str(args.embeddings).lower()}",
-                      f"--tda.selection.exclude_modules=[{args.exclude}]"]
+                      f"--tda.selection.embeddings={str(args.embeddings and not scope).lower()}",
+                      f"--tda.selection.exclude_modules=[{exclude}]"]
     cfg, tda = load_configs(ROOT / "configs" / "demo_tiny.yaml", overrides)
     curve, step_s, round_s = [], [], {}
     state = {"t": None, "trainer": None}
@@ -252,9 +259,9 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     for arm, runs in results.items():
         run = runs[0]
         xs, ys = zip(*run["curve"])
-        axes[0].plot(xs, ys, label=arm, lw=1.4 if arm in ("none", "greats") else 1)
+        axes[0].plot(xs, ys, label=arm, lw=1.4 if arm in ("none", "greats", "greats-head") else 1)
         costs = [s + sum(v for k, v in run["round_s"].items() if k <= s) / run["step_s"] for s in xs]
-        axes[1].plot(costs, ys, label=arm, lw=1.4 if arm in ("none", "greats") else 1)
+        axes[1].plot(costs, ys, label=arm, lw=1.4 if arm in ("none", "greats", "greats-head") else 1)
     axes[0].set(xlabel="optimizer step", ylabel="held-out target loss (nats/byte)", title="by steps (seed 0)")
     axes[1].set(xlabel="compute (steps + selection rounds, in step-equivalents)", title="by compute (seed 0)")
     axes[0].legend()
@@ -284,7 +291,8 @@ def main(argv=None) -> dict:
     p.add_argument("--proj-dim", type=int, default=16)
     p.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=False,
                    help="selection.embeddings: score the token-embedding gradient too")
-    p.add_argument("--exclude", default="", help="selection.exclude_modules, comma-separated fnmatch patterns")
+    p.add_argument("--exclude", default="",
+                   help="selection.exclude_modules of the arms without a -scope, comma-separated fnmatch patterns")
     p.add_argument("--score-tokens", type=int, default=0, help="0 = all (16 scored noticeably worse)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--smooth", type=int, default=3,
@@ -297,6 +305,12 @@ def main(argv=None) -> dict:
     arms = args.arms.split(",")
     if "none" not in arms:
         raise SystemExit("selection: the 'none' arm is the reference; keep it in --arms")
+    from olmo_tda.config import SelectionPolicy
+    for arm in arms:
+        policy, _, scope = arm.partition("-")
+        if arm != "none" and (policy not in {p.value for p in SelectionPolicy} or (scope and scope not in SCOPES)):
+            raise SystemExit(f"selection: unknown arm {arm!r}; arms are none or a policy "
+                             f"({', '.join(p.value for p in SelectionPolicy)}), optionally with -{'/-'.join(SCOPES)}")
     read = args.steps * args.batch / (args.keep_fraction if args.mode == "filter" else 1.0) + args.window
     if read > 3 * args.n_each:
         raise SystemExit(f"selection: the filter arms would read {read:.0f} candidates but the pool holds "
@@ -333,9 +347,10 @@ def main(argv=None) -> dict:
         front = "-" if s["front_target_frac"] is None else f"{s['front_target_frac']:.2f}"
         print(f"{arm:10s} {s['steps_saved_frac']:11.3f} {s['compute_matched_delta']:+9.4f} {s['final_delta']:+11.4f} "
               f"{s['selection_overhead']:9.2f} {front:>12s}")
-    head = summary.get("greats", summary[arms[-1]])
+    headline = "greats" if "greats" in summary else arms[-1]
+    head = summary[headline]
     result = {"benchmark": "selection", "steps_saved_frac": round(head["steps_saved_frac"], 4),
-              "compute_matched_delta": round(head["compute_matched_delta"], 5), "headline_arm": "greats",
+              "compute_matched_delta": round(head["compute_matched_delta"], 5), "headline_arm": headline,
               "targets_met": {"steps_saved_0.25": head["steps_saved_frac"] >= 0.25,
                               "compute_matched_negative": head["compute_matched_delta"] < 0},
               "arms": {a: {k: (round(v, 5) if isinstance(v, float) else v) for k, v in s.items()}

@@ -107,13 +107,20 @@ def test_fidelity_bytes_runs():
 
 
 def test_selection_runs(tmp_path):
-    res = _last_json("selection.py", "--quick", "--arms", "none,random,greats", "--steps", "12", "--batch", "4",
+    res = _last_json("selection.py", "--quick", "--arms", "none,random,greats-head", "--steps", "12", "--batch", "4",
                      "--n-each", "64",
                      "--n-val", "16", "--target-examples", "8", "--window", "24", "--every", "4", "--eval-every", "4",
                      "--out", str(tmp_path), "--png", str(tmp_path / "curves.png"))
-    assert res["benchmark"] == "selection" and set(res["arms"]) == {"none", "random", "greats"}
+    assert res["benchmark"] == "selection" and set(res["arms"]) == {"none", "random", "greats-head"}
+    assert res["headline_arm"] == "greats-head"
     assert 0.0 <= res["steps_saved_frac"] <= 1.0 and isinstance(res["compute_matched_delta"], float)
-    assert res["arms"]["greats"]["selection_overhead"] > 0 and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert res["arms"]["greats-head"]["selection_overhead"] > 0 and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_selection_refuses_unknown_arms():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "selection.py"), "--quick", "--arms", "none,greats-tail"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "unknown arm 'greats-tail'" in out.stderr
 
 
 def test_selection_refuses_a_pool_the_filter_arms_would_exhaust():
