@@ -83,7 +83,7 @@ class TokenMeanLM(nn.Module):
 
 def parse_case(text: str) -> dict:
     case = dict(stage=2, gas=1, dtype="fp32", init=0, attach="after", nan_step=0, steps=2, save_at=0,
-                kill_after=0, resume=0, proj=0, reduction="token_mean", backward="engine", traj=0, rank=0)
+                kill_after=0, resume=0, proj=0, reduction="token_mean", backward="engine", traj=0, rank=0, emb=0)
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
         case[key] = value if key in ("dtype", "attach", "reduction", "backward") else int(value)
@@ -95,7 +95,7 @@ def case_name(case: dict) -> str:
         (f"-{case['attach']}" if case["attach"] != "after" else "") + (f"-nan{case['nan_step']}" if case["nan_step"] else "") + \
         ("-resume" if case["save_at"] else "") + (f"-{case['reduction']}" if case["reduction"] != "token_mean" else "") + \
         (f"-{case['backward']}-backward" if case["backward"] != "engine" else "") + ("-traj" if case["traj"] else "") + \
-        (f"-rank{case['rank']}" if case["rank"] else "")
+        (f"-rank{case['rank']}" if case["rank"] else "") + ("-emb" if case["emb"] else "")
 
 
 def ds_config(case: dict, store: Path) -> dict:
@@ -103,7 +103,10 @@ def ds_config(case: dict, store: Path) -> dict:
             "zero_optimization": {"stage": case["stage"]}, "bf16": {"enabled": case["dtype"] == "bf16"},
             "fp16": {"enabled": case["dtype"] == "fp16", "initial_scale_power": 8},
             "steps_per_print": 10_000, "wall_clock_breakdown": False,
-            "tda": {"enabled": True, "capture": {"proj_dim": case["proj"], "rank": case["rank"]},
+            "tda": {"enabled": True, "capture": {"proj_dim": case["proj"], "rank": case["rank"],
+                                                 # the token table too; the learned position table is
+                                                 # broadcast over the batch (no per-example gradient)
+                                                 **({"embeddings": True, "exclude": ["*wpe"]} if case["emb"] else {})},
                     "store": {"path": str(store), "flush_every": 2}, "batch": {"reduction": case["reduction"]},
                     "trajectory": {"enabled": bool(case["traj"]), "every": max(1, case["traj"])}}}
 

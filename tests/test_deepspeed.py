@@ -36,6 +36,7 @@ EXTRA = ["stage=3,gas=2,dtype=fp32,init=1",                    # zero.Init parti
          "stage=2,gas=2,dtype=fp32,nan_step=2,steps=3",         # overflow: the engine skips step 2
          "stage=1,gas=1,dtype=fp32,nan_step=1,steps=2"]
 RANKED = ["stage=3,gas=2,dtype=fp32,init=1,rank=3"]               # LoRIF factors (12 tokens > c: truncated)
+EMB = ["stage=3,gas=2,dtype=fp32,init=1,emb=1"]                  # capture.embeddings on a partitioned table
 BF16_TOL = 3e-2
 """bf16 keeps 8 significant bits (unit roundoff 2^-9 ≈ 2e-3); the forward and backward through two
 blocks round activations and output gradients in bf16 ~20 times in sequence, so the engine's own bf16
@@ -60,12 +61,13 @@ def torchrun(out: Path, *cases: str, expect_ok: bool = True, timeout: int = 900,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds")
-    torchrun(out, *MATRIX, *EXTRA, *RANKED, "errors")
+    torchrun(out, *MATRIX, *EXTRA, *RANKED, *EMB, "errors")
     return out
 
 
 def exact_grads(weights: dict, ids: np.ndarray) -> dict[str, torch.Tensor]:
-    """``{linear name: [B, O, I]}`` gradients of each example's summed token CE, fp32 torch.func."""
+    """``{linear name: [B, O, I]}`` gradients of each example's summed token CE, fp32 torch.func,
+    and the token table's (transposed: ``[B, d, V]``, as capture stores it) under its module name."""
     from torch.func import functional_call, grad, vmap
 
     model = worker.TokenMeanLM()            # the weights are replaced by the saved ones below
@@ -78,7 +80,8 @@ def exact_grads(weights: dict, ids: np.ndarray) -> dict[str, torch.Tensor]:
     params = {name[len("olmo."):]: w for name, w in weights.items()}
     g = vmap(grad(summed_ce), in_dims=(None, 0, 0))(params, input_ids[ids], labels[ids])
     linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    return {name: g[f"{name[len('olmo.'):]}.weight"] for name in linears}
+    return {**{name: g[f"{name[len('olmo.'):]}.weight"] for name in linears},
+            "olmo.transformer.wte": g["transformer.wte.weight"].transpose(1, 2)}
 
 
 def stored_rows(root: Path):
@@ -105,7 +108,7 @@ def check_against_torch_func(root: Path, case: dict, tol: float, world: int = 2)
         assert np.allclose(block.lr[take], worker.lr_at(step, skipped), rtol=1e-6)
         weights = torch.load(root / f"weights_step{step}.pt", weights_only=True)
         exact = exact_grads(weights, ids)
-        assert set(exact) == set(store.layers)
+        assert set(exact) == set(store.layers) | ({"olmo.transformer.wte"} if not case["emb"] else set())
         for name in store.layers:
             got, want = block.grads[name][take], exact[name].double()
             if store.layer_ranks[name]:         # LoRIF: the best rank-c approximation of the exact gradient
@@ -118,7 +121,7 @@ def check_against_torch_func(root: Path, case: dict, tol: float, world: int = 2)
     return worst
 
 
-@pytest.mark.parametrize("text", MATRIX + EXTRA[:7] + RANKED, ids=lambda t: worker.case_name(worker.parse_case(t)))
+@pytest.mark.parametrize("text", MATRIX + EXTRA[:7] + RANKED + EMB, ids=lambda t: worker.case_name(worker.parse_case(t)))
 def test_deepspeed_zero_capture_equals_torch_func_per_example_gradients(runs, text):
     case = worker.parse_case(text)
     root = runs / worker.case_name(case)
