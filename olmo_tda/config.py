@@ -149,8 +149,9 @@ class CaptureConfig:
     embeddings: bool = False
     """Also capture ``nn.Embedding`` layers that ``modules``/``exclude`` select, as a Linear on one-hot
     token inputs: the stored gradient is ``P_out (∂L/∂W)ᵀ P_inᵀ`` of the ``[V, d]`` table (token side
-    ``V``, projected by looking up columns of ``P_in``; no one-hot is formed). A tied output head's
-    share of the table's gradient goes through ``F.linear`` and is not in it. Random projections only."""
+    ``V``, projected by looking up columns of ``P_in``; no one-hot is formed). An OLMo whose output
+    head is tied to the table (``weight_tying``) gets the head's share added, so the rows are the
+    table's whole gradient; other ``F.linear`` uses of a table are not seen. Random projections only."""
     rank: int = 0
     """LoRIF factor rank c: store each example's projected gradient as ``A [k_out, c] Bᵀ [c, k_in]``
     (exact when the example has <= c tokens, else its best rank-c approximation). 0 = dense. A layer

@@ -67,11 +67,11 @@ class TokenMeanLM(nn.Module):
     """Megatron-style: the model takes the batch and returns the micro-batch's loss, reduced as
     ``reduction`` says (``token_mean``: CE averaged over counted labels, as Megatron and HF do)."""
 
-    def __init__(self, reduction: str = "token_mean"):
+    def __init__(self, reduction: str = "token_mean", tied: bool = False):
         super().__init__()
         from olmo.model import OLMo
 
-        self.olmo = OLMo(olmo_config())
+        self.olmo = OLMo(olmo_config(weight_tying=tied))
         self.reduction = reduction
 
     def forward(self, batch: dict) -> torch.Tensor:
@@ -95,7 +95,7 @@ def case_name(case: dict) -> str:
         (f"-{case['attach']}" if case["attach"] != "after" else "") + (f"-nan{case['nan_step']}" if case["nan_step"] else "") + \
         ("-resume" if case["save_at"] else "") + (f"-{case['reduction']}" if case["reduction"] != "token_mean" else "") + \
         (f"-{case['backward']}-backward" if case["backward"] != "engine" else "") + ("-traj" if case["traj"] else "") + \
-        (f"-rank{case['rank']}" if case["rank"] else "") + ("-emb" if case["emb"] else "")
+        (f"-rank{case['rank']}" if case["rank"] else "") + ("-emb" if case["emb"] else "") + ("-tied" if case["emb"] == 2 else "")
 
 
 def ds_config(case: dict, store: Path) -> dict:
@@ -105,7 +105,8 @@ def ds_config(case: dict, store: Path) -> dict:
             "steps_per_print": 10_000, "wall_clock_breakdown": False,
             "tda": {"enabled": True, "capture": {"proj_dim": case["proj"], "rank": case["rank"],
                                                  # the token table too; the learned position table is
-                                                 # broadcast over the batch (no per-example gradient)
+                                                 # broadcast over the batch (no per-example gradient);
+                                                 # emb=2: a head tied to the table (OLMo-1B's)
                                                  **({"embeddings": True, "exclude": ["*wpe"]} if case["emb"] else {})},
                     "store": {"path": str(store), "flush_every": 2}, "batch": {"reduction": case["reduction"]},
                     "trajectory": {"enabled": bool(case["traj"]), "every": max(1, case["traj"])}}}
@@ -132,7 +133,7 @@ def run_case(case: dict, out: Path) -> None:
     config = ds_config(case, root / "store")
     torch.manual_seed(0)
     with deepspeed.zero.Init(enabled=bool(case["init"]), config_dict_or_path=config):
-        model = TokenMeanLM(case["reduction"])
+        model = TokenMeanLM(case["reduction"], tied=bool(case["emb"] == 2))
     capture = GradientCapture(model, CaptureConfig(proj_dim=case["proj"])) if case["attach"] == "before" else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=BASE_LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,

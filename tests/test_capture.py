@@ -407,3 +407,33 @@ def test_embedding_selection_rules_and_errors():
     from olmo_tda.config import ConfigError
     with pytest.raises(ConfigError, match="embeddings"):
         CaptureConfig(embeddings=True, proj_type="eigen", basis="x.safetensors").validate()
+
+
+@pytest.mark.parametrize("scale_logits", [False, True])
+def test_tied_head_share_is_added_to_the_table(scale_logits, caplog):
+    """OLMo with weight_tying: logits = F.linear(x, wte.weight). With capture.embeddings the table's
+    rows hold its whole gradient (lookup + head), exactly as torch.func gives it; without, capture
+    warns that the head is not seen."""
+    model = tiny_olmo(weight_tying=True, scale_logits=scale_logits)
+    ids = _ids()
+    exact = exact_per_example_grads(model, ids)["transformer.wte.weight"].transpose(1, 2)
+    for cfg in (CaptureConfig(proj_dim=0, embeddings=True, exclude=["*wpe"]),
+                CaptureConfig(proj_dim=(16, 8), seed=2, embeddings=True, exclude=["*wpe"]),
+                CaptureConfig(proj_dim=(16, 8), seed=2, embeddings=True, exclude=["*wpe"], rank=4, factor_route="qr")):
+        cap = GradientCapture(model, cfg)
+        with cap.record(range(3)) as rec:
+            token_losses(model(ids).logits, ids).sum().backward()
+        model.zero_grad()
+        p_out, p_in = cap.projection("transformer.wte")
+        want = p_out @ exact @ p_in.T
+        assert rel_err(rec.dense()["transformer.wte"], want) < TOL
+        if cfg.rank:        # 12 lookup + 12 head tokens > c: the best rank-c approximation of the sum
+            lr = rec.stored()["transformer.wte"]
+            u, s, vh = torch.linalg.svd(want)
+            assert rel_err(lr.A @ lr.B.transpose(1, 2), (u[:, :, :4] * s[:, None, :4]) @ vh[:, :4]) < 1e-4
+        cap.remove()
+    with caplog.at_level("WARNING"):
+        GradientCapture(model, CaptureConfig(proj_dim=4, modules=["*blocks.*"])).remove()
+        assert "tied" not in caplog.text            # the table was left out on purpose: no warning
+        GradientCapture(model, CaptureConfig(proj_dim=4)).remove()
+    assert "tied to its token table" in caplog.text

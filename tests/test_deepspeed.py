@@ -36,7 +36,8 @@ EXTRA = ["stage=3,gas=2,dtype=fp32,init=1",                    # zero.Init parti
          "stage=2,gas=2,dtype=fp32,nan_step=2,steps=3",         # overflow: the engine skips step 2
          "stage=1,gas=1,dtype=fp32,nan_step=1,steps=2"]
 RANKED = ["stage=3,gas=2,dtype=fp32,init=1,rank=3"]               # LoRIF factors (12 tokens > c: truncated)
-EMB = ["stage=3,gas=2,dtype=fp32,init=1,emb=1"]                  # capture.embeddings on a partitioned table
+EMB = ["stage=3,gas=2,dtype=fp32,init=1,emb=1",                 # capture.embeddings on a partitioned table
+       "stage=3,gas=2,dtype=fp32,init=1,emb=2"]                  # ... whose head is tied to it
 BF16_TOL = 3e-2
 """bf16 keeps 8 significant bits (unit roundoff 2^-9 ≈ 2e-3); the forward and backward through two
 blocks round activations and output gradients in bf16 ~20 times in sequence, so the engine's own bf16
@@ -65,12 +66,12 @@ def runs(tmp_path_factory):
     return out
 
 
-def exact_grads(weights: dict, ids: np.ndarray) -> dict[str, torch.Tensor]:
+def exact_grads(weights: dict, ids: np.ndarray, tied: bool = False) -> dict[str, torch.Tensor]:
     """``{linear name: [B, O, I]}`` gradients of each example's summed token CE, fp32 torch.func,
     and the token table's (transposed: ``[B, d, V]``, as capture stores it) under its module name."""
     from torch.func import functional_call, grad, vmap
 
-    model = worker.TokenMeanLM()            # the weights are replaced by the saved ones below
+    model = worker.TokenMeanLM(tied=tied)   # the weights are replaced by the saved ones below
     input_ids, labels = worker.tokens()
 
     def summed_ce(params, x, y):
@@ -107,7 +108,7 @@ def check_against_torch_func(root: Path, case: dict, tol: float, world: int = 2)
         skipped = int(0 < case["nan_step"] < step)
         assert np.allclose(block.lr[take], worker.lr_at(step, skipped), rtol=1e-6)
         weights = torch.load(root / f"weights_step{step}.pt", weights_only=True)
-        exact = exact_grads(weights, ids)
+        exact = exact_grads(weights, ids, tied=case["emb"] == 2)
         assert set(exact) == set(store.layers) | ({"olmo.transformer.wte"} if not case["emb"] else set())
         for name in store.layers:
             got, want = block.grads[name][take], exact[name].double()

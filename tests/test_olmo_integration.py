@@ -78,6 +78,11 @@ def _exact_grads_from_checkpoint(run_dir: Path, ckpt_step: int, ids: np.ndarray,
     return vmap(grad(loss_one), in_dims=(None, 0))(params, tokens)
 
 
+TIED = ("--model.weight_tying=true", "--tda.capture.embeddings=true")
+"""OLMo-1B's head: logits = F.linear(x, wte.weight); the store's wte rows hold the table's whole
+per-example gradient (lookup and head), checked against torch.func below."""
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     run = f"run_{strategy}"
@@ -86,7 +91,7 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     # (same seed, same data order: the two runs follow the same trajectory up to float rounding).
     save = "--save_interval_unsharded=3" if strategy == "ddp" else "--save_interval_unsharded=null"
     _run(_overrides(data_dir, run, 6, f"--distributed_strategy={strategy}", save, "--tda.trajectory.enabled=true",
-                    "--tda.trajectory.every=3", "--tda.capture.embeddings=true"), nproc=2)
+                    "--tda.trajectory.every=3", *TIED), nproc=2)
     run_dir = data_dir / run
     store = GradientStore.open(run_dir / "tda" / "store")
     block = store.read_all()
@@ -99,7 +104,8 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
 
     # step 4 used the weights saved at step 3: stored unprojected gradients == exact ones
     if strategy == "fsdp" and not (data_dir / "run_ddp" / "step3-unsharded").exists():
-        _run(_overrides(data_dir, "run_ddp", 6, "--distributed_strategy=ddp", "--save_interval_unsharded=3"), nproc=2)
+        _run(_overrides(data_dir, "run_ddp", 6, "--distributed_strategy=ddp", "--save_interval_unsharded=3", *TIED),
+             nproc=2)
 
     # trajectory checkpoints hold the full weights (FSDP: gathered on rank 0), as OLMo's own step-3 checkpoint
     from safetensors.torch import load_file
@@ -115,7 +121,7 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     rows = np.flatnonzero(block.steps == 4)
     ids = block.ids[rows]
     exact = _exact_grads_from_checkpoint(data_dir / "run_ddp", 3, ids, data)
-    assert "transformer.wte" in store.layers                 # capture.embeddings: the token table too
+    assert "transformer.wte" in store.layers and "transformer.ff_out" not in store.layers   # tied: no Linear head
     for name in store.layers:
         want = exact[f"{name}.weight"]
         err = rel_err(block.grads[name][rows], want.transpose(1, 2) if name.endswith("wte") else want)

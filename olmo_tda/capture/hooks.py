@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
+import math
 import re
 from functools import partial
 from typing import Any, Iterator, Sequence
@@ -223,9 +224,7 @@ def select_linears(model: nn.Module, config: CaptureConfig) -> dict[str, nn.Line
                                f"{name!r} once wrapper segments are removed; projector seeds derive from "
                                "names, so rename one of the modules")
         layers[name], raw_names[name] = module, raw
-    chosen = {n: m for n, m in layers.items()
-              if any(fnmatch.fnmatchcase(n, p) for p in config.modules)
-              and not any(fnmatch.fnmatchcase(n, p) for p in config.exclude)}
+    chosen = {n: m for n, m in layers.items() if _matches(n, config.modules) and not _matches(n, config.exclude)}
     if not chosen:
         raise CaptureError(
             f"capture.modules={config.modules} exclude={config.exclude} selects no {what}; "
@@ -236,6 +235,26 @@ def select_linears(model: nn.Module, config: CaptureConfig) -> dict[str, nn.Line
                                "counts of the whole batch, so an example's gradient depends on the others; "
                                "exclude it from capture")
     return chosen
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _tied_heads(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, float]]:
+    """``[(canonical table name, final norm, model, logit scale)]`` for every OLMo
+    (``olmo.model.OLMo``: ``config.weight_tying``, ``transformer.wte`` and ``transformer.ln_f``) in
+    ``model`` whose logits are ``F.linear(ln_f(x), wte.weight)``."""
+    found = []
+    for raw, m in model.named_modules():
+        cfg, tr = getattr(m, "config", None), getattr(m, "transformer", None)
+        if type(m).__name__ != "OLMo" or not getattr(cfg, "weight_tying", False) or tr is None:
+            continue
+        wte, ln_f = getattr(tr, "wte", None), getattr(tr, "ln_f", None)
+        if isinstance(wte, nn.Embedding) and ln_f is not None:
+            scale = 1 / math.sqrt(cfg.d_model) if getattr(cfg, "scale_logits", False) else 1.0
+            found.append((canonical_name(f"{raw}.transformer.wte" if raw else "transformer.wte"), ln_f, m, scale))
+    return found
 
 
 def layer_dims(module: nn.Module) -> tuple[int, int]:
@@ -281,6 +300,18 @@ class GradientCapture:
                                  basis=self.config.basis)
             for name, m in self.modules.items()
         }
+        self._tied = _tied_heads(model) if enabled else []
+        """``[(table name, final-norm module, model module, logit scale)]`` of OLMo output heads tied to a
+        captured token table: their share of the table's gradient is added to the table's rows."""
+        wanted = [t for t in self._tied
+                  if _matches(t[0], self.config.modules) and not _matches(t[0], self.config.exclude)]
+        if enabled and wanted and not self.config.embeddings:
+            log.warning("the model's output head is tied to its token table (%s): capture does not see it (it is "
+                        "F.linear on the table, not an nn.Linear). Set capture.embeddings: true to capture the "
+                        "table with the head's share of its gradient (selection.embeddings for selection rounds)",
+                        wanted[0][0])
+        self._tied = [t for t in self._tied if t[0] in self.modules]
+        self._tied_acts: dict[str, Any] = {}
         unused = [o.modules for o in self.config.overrides
                   if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
         if unused:
@@ -298,6 +329,9 @@ class GradientCapture:
             for name, module in self.modules.items():
                 self._handles.append(module.register_forward_hook(partial(self._on_forward, name),
                                                                   with_kwargs=True))
+            for name, norm, root, scale in self._tied:
+                self._handles.append(norm.register_forward_hook(partial(self._on_head_input, name)))
+                self._handles.append(root.register_forward_hook(partial(self._on_head_output, name, scale)))
         except BaseException:
             self.remove()
             raise
@@ -330,6 +364,16 @@ class GradientCapture:
 
     def _on_grad(self, name: str, forward_id: int, recomputed: bool, acts_BTKi: torch.Tensor,
                  grad: torch.Tensor) -> None:
+        rec = self._recording(name, recomputed)
+        if rec is None:
+            return
+        proj = self.projectors[name]
+        with _fp32(grad.device.type):
+            grads_BTKo = proj.project_out(grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float())
+            self._add(rec, name, forward_id, grads_BTKo, acts_BTKi)
+
+    def _recording(self, name: str, recomputed: bool) -> Recording | None:
+        """The active record for a gradient arriving now (None: outside any record, warned once)."""
         if not self._backward_callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._backward_callback_queued = True
@@ -339,20 +383,55 @@ class GradientCapture:
                 log.warning("a backward pass reached captured layers outside `with capture.record(...)`; "
                             "its gradients are ignored")
                 self._warned_unrecorded = True
-            return
+            return None
         if recomputed and self._pending_forwards > 1:
             raise CaptureError(
                 f"re-entrant activation checkpointing recomputed layer {name} during a backward that covers "
                 f"{self._pending_forwards} forwards: its examples cannot be told apart. Use "
                 "checkpoint(..., use_reentrant=False) (OLMo's default), or one backward per forward")
+        return rec
+
+    def _add(self, rec: Recording, name: str, forward_id: int, grads_BTKo: torch.Tensor,
+             acts_BTKi: torch.Tensor) -> None:
+        """Add ``Σ_t g_t ⊗ a_t`` of one forward: as token factors (LoRIF route) or one bmm."""
+        proj = self.projectors[name]
+        rank = self.layer_ranks[name]
+        if rank and self._keep_tokens(grads_BTKo.shape[1], proj.k_out, proj.k_in, rank):
+            rec._add(forward_id, name, (grads_BTKo, acts_BTKi))
+        else:
+            rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
+
+    # A tied output head: logits = F.linear(x, W) with W [V, d] the token table, whose captured rows
+    # are the transposed table (d out, V in). The head's share of that gradient, transposed, is
+    # Σ_t x_t ⊗ ∂L/∂logits_t: the table's projectors apply with the roles swapped (P_out on x, P_in on
+    # the logits' gradient), and it adds to the lookup's share like a second call of the layer.
+
+    def _on_head_input(self, name: str, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._paused or not torch.is_grad_enabled() or not output.requires_grad or _in_backward():
+            return
+        proj = self.projectors[name].to(output.device)
+        x = output.detach()
+        with _fp32(x.device.type):
+            self._tied_acts[name] = (self._forward_id, proj.project_out(x.reshape(x.shape[0], -1, x.shape[-1]).float()))
+
+    def _on_head_output(self, name: str, scale: float, module: nn.Module, args: tuple, output: Any) -> None:
+        pending = self._tied_acts.pop(name, None)
+        logits = getattr(output, "logits", None)
+        if pending is None or pending[0] != self._forward_id or logits is None or not logits.requires_grad:
+            return
+        logits.register_hook(partial(self._on_head_grad, name, pending[0], scale, pending[1]))
+
+    def _on_head_grad(self, name: str, forward_id: int, scale: float, x_BTKo: torch.Tensor,
+                      grad: torch.Tensor) -> None:
+        rec = self._recording(name, False)
+        if rec is None:
+            return
         proj = self.projectors[name]
         with _fp32(grad.device.type):
-            grads_BTKo = proj.project_out(grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float())
-            rank = self.layer_ranks[name]
-            if rank and self._keep_tokens(grads_BTKo.shape[1], proj.k_out, proj.k_in, rank):
-                rec._add(forward_id, name, (grads_BTKo, acts_BTKi))
-            else:
-                rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
+            g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
+            if scale != 1.0:            # the gradient w.r.t. the logits before OLMo's in-place scale_logits
+                g = g * scale
+            self._add(rec, name, forward_id, x_BTKo, proj.project_in(g, False))
 
     def _keep_tokens(self, tokens: int, k_out: int, k_in: int, rank: int) -> bool:
         route = self.config.factor_route
