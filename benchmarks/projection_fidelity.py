@@ -26,7 +26,7 @@ from olmo_tda.capture.projection import make_projector
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
 
 
-def train_model(d_model: int, steps: int, data: torch.Tensor, seed: int = 0):
+def train_model(d_model: int, steps: int, data: torch.Tensor, seed: int = 0, tied: bool = False):
     from olmo.config import ModelConfig
     from olmo.model import OLMo
 
@@ -34,7 +34,7 @@ def train_model(d_model: int, steps: int, data: torch.Tensor, seed: int = 0):
     model = OLMo(ModelConfig(d_model=d_model, n_heads=max(1, d_model // 64), n_layers=2, mlp_ratio=4,
                              vocab_size=257, embedding_size=384, max_sequence_length=data.shape[1], rope=True,
                              attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0,
-                             weight_tying=False, init_device="cpu"))
+                             weight_tying=tied, init_device="cpu"))
     model.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     gen = torch.Generator().manual_seed(seed)

@@ -32,6 +32,7 @@ OTHERS = {
     "store_query": ["--quick"],
     "fidelity_bytes": ["--quick"],
     "projection_fidelity": [],
+    "tied_head_fidelity": [],
     "lds": ["--quick"],
     "selection": ["--quick"],
 }

@@ -31,6 +31,14 @@ def test_projection_fidelity_runs():
     assert 0.0 < res["spearman_d64_orthogonal_k64"] <= 1.0
 
 
+def test_tied_head_fidelity_runs():
+    """With the tied table captured, exact capture scores are the all-parameter ones (torch.func)."""
+    res = _last_json("tied_head_fidelity.py", "--d-models", "64", "--steps", "5", "--num-train", "16",
+                     "--num-queries", "2", "--ks", "16", "--seeds", "1")
+    assert res["exact_with_table_max_rel_err"] < 1e-4 and res["exact_blocks_only"] < res["exact_with_table"]
+    assert len(res["rows"]) == 4
+
+
 @pytest.mark.slow
 def test_full_demo_under_five_minutes(tmp_path, capsys):
     import time
