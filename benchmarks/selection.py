@@ -31,8 +31,8 @@ through the network. Each arm runs the same seeds (model init and base order per
 
 The headline keys are GREATS' (the mean over seeds); every arm's are in ``arms``.
 
-    python benchmarks/selection.py --quick     # 1 seed, ~7 min on 2 cores
-    python benchmarks/selection.py             # 3 seeds, ~20 min
+    python benchmarks/selection.py --quick     # 1 seed, ~5 min on 2 cores
+    python benchmarks/selection.py             # 3 seeds, ~14 min
 """
 
 from __future__ import annotations
