@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -69,7 +70,6 @@ def measure(d_model: int, args) -> list[dict]:
     (q_all, q_mat), (t_all, t_mat) = full_gradients(model, query), full_gradients(model, train)
     truth, truth_mat = (q_all @ t_all.T).numpy(), (q_mat @ t_mat.T).numpy()
     rows = []
-    import logging
     logging.getLogger("olmo_tda.capture.hooks").setLevel(logging.ERROR)     # the arm without the table warns
     for k in [0] + [int(x) for x in args.ks.split(",")]:
         for table in (False, True):

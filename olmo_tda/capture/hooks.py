@@ -295,22 +295,20 @@ class GradientCapture:
         self._with_bias = {n: self.config.include_bias and getattr(m, "bias", None) is not None
                            for n, m in self.modules.items()}
         self.projectors: dict[str, Projector] = {
-            name: make_projector(name, layer_dims(m)[0], layer_dims(m)[1] + self._with_bias[name],
-                                 self.config.dims_for(name), self.config.proj_type, self.config.seed,
-                                 basis=self.config.basis)
-            for name, m in self.modules.items()
+            name: make_projector(name, n_out, n_in + self._with_bias[name], self.config.dims_for(name),
+                                 self.config.proj_type, self.config.seed, basis=self.config.basis)
+            for name, (n_out, n_in) in ((n, layer_dims(m)) for n, m in self.modules.items())
         }
-        self._tied = _tied_heads(model) if enabled else []
-        """``[(table name, final-norm module, model module, logit scale)]`` of OLMo output heads tied to a
-        captured token table: their share of the table's gradient is added to the table's rows."""
-        wanted = [t for t in self._tied
-                  if _matches(t[0], self.config.modules) and not _matches(t[0], self.config.exclude)]
+        tied = _tied_heads(model) if enabled else []
+        wanted = [t for t in tied if _matches(t[0], self.config.modules) and not _matches(t[0], self.config.exclude)]
         if enabled and wanted and not self.config.embeddings:
             log.warning("the model's output head is tied to its token table (%s): capture does not see it (it is "
                         "F.linear on the table, not an nn.Linear). Set capture.embeddings: true to capture the "
                         "table with the head's share of its gradient (selection.embeddings for selection rounds)",
                         wanted[0][0])
-        self._tied = [t for t in self._tied if t[0] in self.modules]
+        self._tied = [t for t in tied if t[0] in self.modules]
+        """``[(table name, final-norm module, model module, logit scale)]`` of OLMo output heads tied to a
+        captured token table: their share of the table's gradient is added to the table's rows."""
         self._tied_acts: dict[str, Any] = {}
         unused = [o.modules for o in self.config.overrides
                   if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
