@@ -3,8 +3,10 @@
 N training examples (100k with ``--quick``, 1M by default) of the 4 Linears of an OLMo block
 (att_proj, attn_out, ff_proj, ff_out), each projected to 64×64 (LoGRA k=64: every layer of a real
 OLMo is 64×64 after projection), are written with the library's writer once dense and once per
-factor rank c ∈ {1, 2, 4, 8} (the same examples). Then 16 dense query gradients ask for their
-top-100 through ``attribute(..., method="graddot")`` over the whole store:
+factor rank c ∈ {1, 2, 4, 8} (the same examples) in fp32, and all of these again in bf16
+(``--compact-dtype``: the storage dtype ``fidelity_bytes.py`` recommends, which never moved a
+Spearman there by more than 0.001). Then 16 dense query gradients ask for their top-100 through
+``attribute(..., method="graddot")`` over the whole store:
 
 - **bytes on disk** of each store (``GradientStore.nbytes``) and the size ratio dense / LoRIF;
 - **query time**, cold (the shard files evicted from the page cache with ``posix_fadvise(DONTNEED)``
@@ -15,8 +17,11 @@ top-100 through ``attribute(..., method="graddot")`` over the whole store:
 - **Spearman** of each LoRIF store's scores against the dense store's, over all N rows, mean over
   queries (and recall of the dense top-100).
 
-The recommended c is the smallest with Spearman >= 0.9; targets at it: >= 10x smaller, >= 5x faster
-queries, Spearman >= 0.9, peak memory independent of N. One exploratory arm (not the headline)
+The recommended configuration is the smallest c whose bf16 store has Spearman >= 0.9, stored in
+bf16; targets at it, against dense fp32 (the reference, as in ``fidelity_bytes.py``): >= 10x
+smaller, >= 5x faster queries, Spearman >= 0.9, peak memory independent of N. Every row also gives
+its speedup against dense in its own dtype, and the fp32 store of the same c is reported beside it,
+so what the rank buys and what the dtype buys stay apart. One exploratory arm (not the headline)
 times the recommended store with the queries given as rank-16 factors (``--query-rank``), which
 ``attribute`` accepts and scores by the factor·factor route.
 
@@ -317,8 +322,14 @@ def mem_child(small: str, full: str, queries_path: str, top_k: int, block_size: 
 
 
 def measure_memory(small: Path, full: Path, queries_path: Path, args) -> dict:
+    # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which
+    # freed blocks stay in the heap: the peak RSS of the same query then wandered 30–77 MB from run
+    # to run, more often high the more blocks a store has. A fixed threshold keeps every block an
+    # mmap that free() returns, so the peak is what the query holds at once (19–20 MB at c=2)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
     out = subprocess.run([sys.executable, __file__, "--mem-child", str(small), str(full), str(queries_path),
-                          str(args.top_k), str(args.block_size)], check=True, capture_output=True, text=True)
+                          str(args.top_k), str(args.block_size)], check=True, capture_output=True, text=True,
+                         env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -332,13 +343,28 @@ def store_meta(rank: int, args) -> dict:
             "projector_hash": PROJECTOR_HASH}
 
 
+def store_specs(args, ranks: list[int]) -> dict[str, tuple[int, str]]:
+    """``{name: (rank, dtype)}`` of every store built: dense and each rank in ``--dtype``, and the same
+    again in ``--compact-dtype`` (named ``dense.bf16``, ``c2.bf16``, ...) unless that is off or equal."""
+    specs = {"dense": (0, args.dtype), **{f"c{c}": (c, args.dtype) for c in ranks}}
+    if args.compact_dtype not in ("none", args.dtype):
+        tag = _DTYPE_TAG[args.compact_dtype]
+        specs.update({f"{name}.{tag}": (rank, args.compact_dtype) for name, (rank, _) in list(specs.items())})
+    return specs
+
+
+_DTYPE_TAG = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
 def build_stores(model: TokenModel, root: Path, args, ranks: list[int]) -> dict:
-    """Write N examples dense and at each rank (and the first N/10 again, for the memory check)."""
-    config = StoreConfig(dtype=StoreDType(args.dtype), flush_every=args.flush_every)
-    names = ["dense", *[f"c{c}" for c in ranks]]
-    rank_of = {name: 0 if name == "dense" else int(name[1:]) for name in names}
-    writers = {(name, size): GradientStore.create(root / f"{name}_{size}", store_meta(rank_of[name], args), config)
-               for name in names for size in ("small", "full")}
+    """Write N examples for every store of :func:`store_specs` (the same examples in each), and the
+    first N/10 again, for the memory check."""
+    specs = store_specs(args, ranks)
+    names = list(specs)
+    writers = {(name, size): GradientStore.create(
+        root / f"{name}_{size}", store_meta(specs[name][0], args),
+        StoreConfig(dtype=StoreDType(specs[name][1]), flush_every=args.flush_every))
+        for name in names for size in ("small", "full")}
     max_rank, check = max(ranks), {}
     t0 = time.perf_counter()
     for step, start in enumerate(range(0, args.n, args.batch)):
@@ -348,9 +374,9 @@ def build_stores(model: TokenModel, root: Path, args, ranks: list[int]) -> dict:
             parts = model.draw(layer, num)
             dense = model.dense(layer, num, parts=parts)
             A, B = top_factors(dense, max_rank)
-            grads["dense"][layer] = dense
-            for c in ranks:
-                grads[f"c{c}"][layer] = LowRank(A[:, :, :c].contiguous(), B[:, :, :c].contiguous())
+            for name, (rank, _) in specs.items():
+                grads[name][layer] = dense if rank == 0 else \
+                    LowRank(A[:, :, :rank].contiguous(), B[:, :, :rank].contiguous())
             if step == 0:           # our factors vs the library's capture path (QR of the token factors)
                 from olmo_tda.capture.factors import lowrank_factors
                 m = min(64, num)
@@ -373,7 +399,7 @@ def build_stores(model: TokenModel, root: Path, args, ranks: list[int]) -> dict:
             print(f"  generated {start + num}/{args.n} examples ({time.perf_counter() - t0:.0f} s)", flush=True)
     for w in writers.values():
         w.close()
-    return {"paths": {name: (root / f"{name}_small", root / f"{name}_full") for name in names},
+    return {"paths": {name: (root / f"{name}_small", root / f"{name}_full") for name in names}, "specs": specs,
             "factor_check_max_rel_err": max(check.values()), "build_s": time.perf_counter() - t0}
 
 
@@ -385,7 +411,9 @@ def energy_profile(dense: torch.Tensor) -> list[float]:
 
 
 def needed_bytes(args, ranks: list[int]) -> int:
-    per_example = len(LAYERS) * 4 * (K * K + sum(2 * K * c for c in ranks))
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}
+    per_example = sum(len(LAYERS) * itemsize[dtype] * (K * K if rank == 0 else 2 * K * rank)
+                      for rank, dtype in store_specs(args, ranks).values())
     return int(per_example * (args.n + args.n_small) * 1.05)
 
 
@@ -521,7 +549,11 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (cold then warm per store)")
     p.add_argument("--batch", type=int, default=1024, help="examples generated (and appended) per record")
     p.add_argument("--flush-every", type=int, default=4, help="records per shard")
-    p.add_argument("--dtype", default="float32", choices=[d.value for d in StoreDType])
+    p.add_argument("--dtype", default="float32", choices=[d.value for d in StoreDType],
+                   help="the dense reference's and the rank sweep's storage dtype")
+    p.add_argument("--compact-dtype", default="bfloat16", choices=[*(d.value for d in StoreDType), "none"],
+                   help="every store again in this dtype (fidelity_bytes.py's recommended storage); the "
+                        "recommended configuration is a rank in it ('none': in --dtype)")
     p.add_argument("--query-rank", type=int, default=16,
                    help="also time the recommended c with the queries as rank-r factors (exploratory; 0: off)")
     p.add_argument("--seed", type=int, default=0)
@@ -571,12 +603,17 @@ def main(argv=None) -> dict:
             built = build_stores(model, root, args, ranks)
         phases["build"] = built["build_s"]
         t_phase = time.perf_counter()
-        names = list(built["paths"])
+        specs = built["specs"]
+        names = list(specs)
         full = {name: paths[1] for name, paths in built["paths"].items()}
         nbytes = {name: GradientStore.open(full[name]).nbytes for name in names}
+        # the recommended configuration is a rank in the compact dtype when there is one (the dtype
+        # fidelity_bytes.py recommends), else in --dtype; it is compared against dense in --dtype
+        tag = "." + _DTYPE_TAG[args.compact_dtype] if any("." in n for n in names) else ""
 
-        # fidelity (untimed; also fills the page cache)
-        arms = {name: (full[name], queries, 0, True) for name in names}
+        # fidelity (untimed; also fills the page cache). An arm: (store, queries, query rank,
+        # readahead, the store's name)
+        arms = {name: (full[name], queries, 0, True, name) for name in names}
         scores, top = {}, {}
 
         def fidelity(name):
@@ -586,17 +623,18 @@ def main(argv=None) -> dict:
         for name in names:
             fidelity(name)
         spearman = {name: spearman_vs(scores["dense"], scores[name]) for name in names}
-        meets = [c for c in ranks if spearman[f"c{c}"] >= 0.9]
-        best = min(meets) if meets else max(ranks, key=lambda c: spearman[f"c{c}"])
+        meets = [c for c in ranks if spearman[f"c{c}{tag}"] >= 0.9]
+        best = min(meets) if meets else max(ranks, key=lambda c: spearman[f"c{c}{tag}"])
+        rec = f"c{best}{tag}"
         if args.query_rank:     # exploratory, not the headline: the queries as rank-r factors too
-            extra = f"c{best}+q{args.query_rank}"
-            arms[extra] = (full[f"c{best}"], queries, args.query_rank, True)     # attribute(..., query_rank=r)
+            extra = f"{rec}+q{args.query_rank}"
+            arms[extra] = (full[rec], queries, args.query_rank, True, rec)     # attribute(..., query_rank=r)
             fidelity(extra)
             spearman[extra] = spearman_vs(scores["dense"], scores[extra])
         # the reader's readahead off (its control): the same store and scores, timed without it
-        plain = f"c{best} no-readahead"
-        arms[plain] = (full[f"c{best}"], queries, 0, False)
-        spearman[plain], top[plain] = spearman[f"c{best}"], top[f"c{best}"]
+        plain = f"{rec} no-readahead"
+        arms[plain] = (full[rec], queries, 0, False, rec)
+        spearman[plain], top[plain] = spearman[rec], top[rec]
         recall = {name: float(np.mean([len(set(top[name][q]) & set(top["dense"][q])) / top["dense"].shape[1]
                                        for q in range(args.queries)])) for name in arms}
         scores.clear()
@@ -618,7 +656,7 @@ def main(argv=None) -> dict:
         order = list(arms)
         for round_ in range(args.rounds):
             for name in (order if round_ % 2 == 0 else order[::-1]):
-                store, qs, query_rank, readahead = arms[name]
+                store, qs, query_rank, readahead, _ = arms[name]
                 evict(store)
                 t0 = time.perf_counter()
                 run_query(store, qs, query_rank, args.top_k, args.block_size, readahead=readahead)
@@ -631,10 +669,9 @@ def main(argv=None) -> dict:
             # the reader alone (no scoring), cold, with and without readahead: the time spent waiting
             # for the disk, which readahead overlaps with whatever runs between blocks
             for readahead in ((True, False) if round_ % 2 == 0 else (False, True)):
-                evict(full[f"c{best}"])
+                evict(full[rec])
                 t0 = time.perf_counter()
-                for _ in GradientStore.open(full[f"c{best}"]).iter_blocks(block_size=args.block_size,
-                                                                          readahead=readahead):
+                for _ in GradientStore.open(full[rec]).iter_blocks(block_size=args.block_size, readahead=readahead):
                     pass
                 read_pass[readahead].append(time.perf_counter() - t0)
         phases["timing"] = time.perf_counter() - t_phase
@@ -648,30 +685,34 @@ def main(argv=None) -> dict:
     cold_s = {n: statistics.median(v) for n, v in cold.items()}
     warm_s = {n: statistics.median(v) for n, v in warm.items()}
     rows = {}
-    for name in arms:
-        base = name.split("+")[0].split(" ")[0]
-        c = 0 if name == "dense" else int(base[1:])
-        rank_q = args.query_rank if "+" in name else 0
+    for name, (_, _, rank_q, _, base) in arms.items():
+        c, dtype = specs[base]
+        same = "dense" + ("." + base.split(".")[1] if "." in base else "")     # dense in the same dtype
         mem = memory.get(name, {"peak_small_mb": None, "peak_full_mb": None})
         nb = nbytes[base]
-        rows[name] = {"c": c, "query_rank": rank_q, "bytes": nb, "bytes_per_example": nb / args.n,
+        rows[name] = {"c": c, "dtype": dtype, "query_rank": rank_q, "bytes": nb, "bytes_per_example": nb / args.n,
                       "size_ratio": nbytes["dense"] / nb, "cold_s": cold_s[name], "warm_s": warm_s[name],
                       "speedup_cold": cold_s["dense"] / cold_s[name], "speedup_warm": warm_s["dense"] / warm_s[name],
+                      "size_ratio_same_dtype": nbytes[same] / nb,
+                      "speedup_cold_same_dtype": cold_s[same] / cold_s[name],
+                      "speedup_warm_same_dtype": warm_s[same] / warm_s[name],
                       "route": inner_route(args.queries, args.block_size, K, K, rank_q, c) if c else "materialized",
                       "peak_small_mb": mem["peak_small_mb"], "peak_full_mb": mem["peak_full_mb"],
                       "spearman": spearman[name], f"recall_at_{args.top_k}": recall[name],
                       "resident_when_warm": resident_warm[name]}
-    head = rows[f"c{best}"]
+    head = rows[rec]
     basis = "cold" if eviction_works else "warm"
     speedup = head[f"speedup_{basis}"]
-    # 10x the rows: O(N) memory would grow ~10x; allow allocator noise up to 2x
+    # 10x the rows: O(N) memory would grow ~10x; allow allocator noise up to 2x (with glibc's mmap
+    # threshold fixed in the child, the peaks at N/10 and N agree within ~1 MB)
     mem_independent = all(rows[n]["peak_full_mb"] <= 2 * rows[n]["peak_small_mb"] for n in names)
     targets = {"size_10x": head["size_ratio"] >= 10, "speed_5x": speedup >= 5, "spearman_0.9": head["spearman"] >= 0.9,
                "memory_independent_of_n": mem_independent}
 
     print(f"store query: N={args.n} (memory also at N={args.n_small}), {len(LAYERS)} layers of {K}x{K} "
           f"({', '.join(LAYERS)}), T={args.tokens} tokens/example, {args.queries} dense queries, top-{args.top_k}, "
-          f"block {args.block_size}, {args.dtype}, threads={torch.get_num_threads()}, rounds={args.rounds}")
+          f"block {args.block_size}, {args.dtype} (compact: {args.compact_dtype}), threads={torch.get_num_threads()}, "
+          f"rounds={args.rounds}")
     print("token model energy top-1/2/4/8 synthetic vs real: " + "; ".join(
         f"{n} {synthetic_energy[n]} vs {REAL_ENERGY[n]}" for n in LAYERS))
     print(f"factors vs library lowrank_factors: max rel err {built['factor_check_max_rel_err']:.1e}; "
@@ -680,27 +721,36 @@ def main(argv=None) -> dict:
           f"{'n/a' if resident_after_evict is None else f'{100 * resident_after_evict:.1f}%'}, plain read "
           f"warm {warm_gibs:.2f} GiB/s, cold {cold_gibs:.2f} GiB/s -> eviction "
           f"{'works' if eviction_works else 'UNVERIFIED'}")
-    print(f"{'store':>9} {'GB':>7} {'B/example':>9} {'size x':>7} {'cold s':>7} {'warm s':>7} {'cold x':>7} "
-          f"{'warm x':>7} {'route':>12} {'peak MB N/10':>12} {'peak MB N':>10} {'spearman':>9} {'recall':>7}")
+    print(f"{'store':>20} {'GB':>7} {'B/example':>9} {'size x':>7} {'cold s':>7} {'warm s':>7} {'cold x':>7} "
+          f"{'warm x':>7} {'same-dtype cold x':>17} {'route':>12} {'peak MB N/10':>12} {'peak MB N':>10} "
+          f"{'spearman':>9} {'recall':>7}")
     def mb(v):
         return "-" if v is None else f"{v:.0f}"
     for name, r in rows.items():
-        print(f"{name:>9} {r['bytes'] / 1e9:>7.3f} {r['bytes_per_example']:>9.0f} {r['size_ratio']:>7.1f} "
+        print(f"{name:>20} {r['bytes'] / 1e9:>7.3f} {r['bytes_per_example']:>9.0f} {r['size_ratio']:>7.1f} "
               f"{r['cold_s']:>7.2f} {r['warm_s']:>7.2f} {r['speedup_cold']:>7.2f} {r['speedup_warm']:>7.2f} "
-              f"{r['route']:>12} {mb(r['peak_small_mb']):>12} {mb(r['peak_full_mb']):>10} {r['spearman']:>9.4f} "
+              f"{r['speedup_cold_same_dtype']:>17.2f} {r['route']:>12} {mb(r['peak_small_mb']):>12} {mb(r['peak_full_mb']):>10} {r['spearman']:>9.4f} "
               f"{r[f'recall_at_{args.top_k}']:>7.3f}")
     if args.query_rank:
         r = rows[extra]
-        print(f"exploratory {extra}: the same c={best} store, queries as rank-{args.query_rank} factors "
+        print(f"exploratory {extra}: the same {rec} store, queries as rank-{args.query_rank} factors "
               f"(attribute(..., query_rank={args.query_rank}): an approximation of the queries, so not "
               f"the headline): {r['speedup_cold']:.2f}x cold, "
               f"{r['speedup_warm']:.2f}x warm, Spearman {r['spearman']:.3f}")
     off = rows[plain]
-    print(f"readahead (the reader's, on in every other row): c={best} cold {head['cold_s']:.2f} s with, "
+    print(f"readahead (the reader's, on in every other row): {rec} cold {head['cold_s']:.2f} s with, "
           f"{off['cold_s']:.2f} s without ({off['cold_s'] / head['cold_s']:.2f}x); warm {head['warm_s']:.2f} vs "
           f"{off['warm_s']:.2f} s; reading alone, cold: {statistics.median(read_pass[True]):.2f} s with, "
           f"{statistics.median(read_pass[False]):.2f} s without")
-    print(f"recommended c={best} (smallest with Spearman >= 0.9): {head['size_ratio']:.1f}x smaller "
+    if tag:
+        ref = rows[f"c{best}"]
+        print(f"the recommended store {rec} against dense in its own dtype ({head['dtype']}): "
+              f"{head['size_ratio_same_dtype']:.1f}x smaller, {head['speedup_cold_same_dtype']:.2f}x cold, "
+              f"{head['speedup_warm_same_dtype']:.2f}x warm; c={best} in {args.dtype} against dense: "
+              f"{ref['size_ratio']:.1f}x smaller, {ref['speedup_cold']:.2f}x cold, {ref['speedup_warm']:.2f}x warm, "
+              f"Spearman {ref['spearman']:.3f}")
+    print(f"recommended {rec} (c={best}, {head['dtype']}: the smallest c with Spearman >= 0.9) against dense "
+          f"{args.dtype}: {head['size_ratio']:.1f}x smaller "
           f"[{'ok' if targets['size_10x'] else 'MISSED'} >= 10x], {speedup:.2f}x faster {basis} "
           f"[{'ok' if targets['speed_5x'] else 'MISSED'} >= 5x], Spearman {head['spearman']:.3f} "
           f"[{'ok' if targets['spearman_0.9'] else 'MISSED'} >= 0.9], peak memory "
@@ -708,12 +758,16 @@ def main(argv=None) -> dict:
     result = {"benchmark": "store_query", "n": args.n, "n_small": args.n_small, "tokens": args.tokens,
               "layers": len(LAYERS), "k": K, "queries": args.queries, "top_k": args.top_k,
               "block_size": args.block_size, "dtype": args.dtype, "rounds": args.rounds,
-              "recommended_c": best, "size_ratio": round(head["size_ratio"], 3), "query_speedup": round(speedup, 3),
+              "compact_dtype": args.compact_dtype, "recommended_c": best, "recommended_dtype": head["dtype"],
+              "recommended_store": rec, "size_ratio": round(head["size_ratio"], 3), "query_speedup": round(speedup, 3),
               "query_speedup_basis": basis, "query_speedup_cold": round(head["speedup_cold"], 3),
               "query_speedup_warm": round(head["speedup_warm"], 3), "spearman": round(head["spearman"], 4),
               f"recall_at_{args.top_k}": round(head[f"recall_at_{args.top_k}"], 4),
               "peak_mb": round(head["peak_full_mb"], 1), "peak_mb_small": round(head["peak_small_mb"], 1),
               "memory_independent_of_n": mem_independent, "targets_met": targets,
+              "same_dtype": {"size_ratio": round(head["size_ratio_same_dtype"], 3),
+                             "query_speedup_cold": round(head["speedup_cold_same_dtype"], 3),
+                             "query_speedup_warm": round(head["speedup_warm_same_dtype"], 3)},
               "eviction_works": eviction_works, "resident_after_evict": resident_after_evict,
               "read_gibs_warm": round(warm_gibs, 3), "read_gibs_cold": round(cold_gibs, 3),
               "factor_check_max_rel_err": built["factor_check_max_rel_err"],

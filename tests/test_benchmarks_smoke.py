@@ -92,6 +92,16 @@ def test_store_query_runs(tmp_path):
     assert per["c1"]["size_ratio"] > per["c4"]["size_ratio"] > 3       # 64x64 floats vs c·(64+64)
     assert per["c4"]["spearman"] > per["c1"]["spearman"] and per["dense"]["spearman"] == 1.0
     assert res["factor_check_max_rel_err"] < 1e-3 and res["peak_mb"] > 0
+    # every store again in bf16 (the default compact dtype): half the bytes, the same ranking, and
+    # the recommended store is a bf16 one, compared against dense fp32 and against dense bf16
+    assert res["recommended_dtype"] == "bfloat16" and res["recommended_store"] == f"c{res['recommended_c']}.bf16"
+    for c in ("c1", "c4"):
+        assert abs(per[f"{c}.bf16"]["size_ratio"] / per[c]["size_ratio"] - 2) < 0.05
+        assert abs(per[f"{c}.bf16"]["spearman"] - per[c]["spearman"]) < 0.01
+        assert abs(per[f"{c}.bf16"]["size_ratio_same_dtype"] - per[c]["size_ratio"]) / per[c]["size_ratio"] < 0.05
+    assert per["dense.bf16"]["spearman"] > 0.999 and per["dense.bf16"]["dtype"] == "bfloat16"
+    assert res["same_dtype"]["size_ratio"] == pytest.approx(per[res["recommended_store"]]["size_ratio_same_dtype"],
+                                                            abs=1e-3)
     assert not any(tmp_path.iterdir())                                   # stores removed
 
 

