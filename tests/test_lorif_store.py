@@ -190,6 +190,17 @@ def test_factor_store_round_trip_and_methods_equal_dense(tmp_path, dtype):
     # small blocks concatenate factors across shards the same way
     pieces = list(factors.iter_blocks(block_size=5))
     assert [len(p) for p in pieces] == [5, 5, 2] and isinstance(pieces[0].grads["fc2"], LowRank)
+    # default blocks are sized by the decoded bytes of what is stored: factor rows are smaller, so
+    # the same budget holds more of them (5 factor rows = 4 dense rows here); scores do not change
+    from olmo_tda.store import reader as reader_module
+    ref_scores = attribute(factors, {n: g[:3] for n, g in want.grads.items()}, top_k=12, return_scores=True,
+                           block_size=100).all_scores
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reader_module, "BLOCK_BYTES", 5 * 4 * 2 * 80)
+        assert factors.block_rows() == 5 and dense.block_rows() == 4
+        assert [len(p) for p in factors.iter_blocks()] == [5, 5, 2]
+        got = attribute(factors, {n: g[:3] for n, g in want.grads.items()}, top_k=12, return_scores=True)
+        assert torch.allclose(got.all_scores, ref_scores, rtol=1e-6, atol=1e-9)
 
     queries = {n: g[:3] for n, g in want.grads.items()}
     for method, opts in [("graddot", {}), ("gradcos", {}), ("influence", {"hessian": "raw"}),

@@ -123,6 +123,30 @@ def test_float32_round_trip_is_bitwise_with_layer_subsets_and_any_block_size(tmp
         assert torch.equal(torch.cat([b.grads[LAYERS[1]] for b in blocks]), full.grads[LAYERS[1]])
 
 
+def test_default_block_is_sized_by_decoded_bytes(tmp_path, monkeypatch):
+    from olmo_tda.store import reader as reader_module
+
+    records = random_records(range(7), rows_per_step=3)
+    store = write_store(tmp_path / "s", records, flush_every=2)
+    full = store.read_all()
+    row_bytes = {name: 4 * int(np.prod(layer["shape"])) for name, layer in zip(LAYERS, worker.LAYERS)}
+    want = min(reader_module.MAX_BLOCK_ROWS, reader_module.BLOCK_BYTES // sum(row_bytes.values()))
+    assert store.block_rows() == want
+    # a budget of 4 rows of every layer: default blocks of 4 rows; one layer alone fits more rows
+    monkeypatch.setattr(reader_module, "BLOCK_BYTES", 4 * sum(row_bytes.values()))
+    assert store.block_rows() == 4
+    assert store.block_rows([LAYERS[0]]) == 4 * sum(row_bytes.values()) // row_bytes[LAYERS[0]]
+    blocks = list(store.iter_blocks())
+    assert [len(b) for b in blocks] == [4, 4, 4, 4, 4, 1]
+    assert np.array_equal(np.concatenate([b.ids for b in blocks]), full.ids)
+    for name in LAYERS:
+        assert torch.equal(torch.cat([b.grads[name] for b in blocks]), full.grads[name])
+    monkeypatch.setattr(reader_module, "BLOCK_BYTES", 1)           # less than a row: one row a block
+    assert store.block_rows() == 1 and len(list(store.iter_blocks())) == 21
+    monkeypatch.setattr(reader_module, "BLOCK_BYTES", 1 << 40)     # never more than the cap
+    assert store.block_rows() == reader_module.MAX_BLOCK_ROWS
+
+
 @pytest.mark.parametrize("compression", ["gzip", "lzf"])
 def test_compressed_round_trip_is_bitwise(tmp_path, compression):
     records = random_records(range(5), rows_per_step=4, seed=15)

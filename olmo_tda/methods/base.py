@@ -89,7 +89,7 @@ def _as_queries(queries: Any) -> dict[str, torch.Tensor]:
 
 
 def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "graddot", top_k: int = 10,
-              layers: Iterable[str] | None = None, block_size: int = 1024, return_scores: bool = False,
+              layers: Iterable[str] | None = None, block_size: int | None = None, return_scores: bool = False,
               projector_hash: str | None = None, **method_options: Any) -> AttributionResult:
     """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query.
 
@@ -99,7 +99,9 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
             same projectors as the store (same capture config).
         method: a registered name (``graddot``, ``gradcos``, ...) or a method object.
         layers: restrict scoring to these layers (default: every layer present in both).
-        block_size: training rows per streamed block; memory is O(Q·(top_k + block_size)).
+        block_size: training rows per streamed block (None: the store's
+            :meth:`~olmo_tda.store.GradientStore.block_rows`, 64 MB of decoded rows); memory is
+            O(Q·(top_k + block_size)) plus the block's rows.
         return_scores: also return the full ``[Q, N]`` score matrix (memory O(Q·N)).
         projector_hash: the capture's ``projector_hash`` for plain-dict queries (a Recording carries
             its own); compared with the store's, since scores across different projectors are noise.

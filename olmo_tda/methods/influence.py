@@ -40,7 +40,7 @@ def _flat(g: Any) -> torch.Tensor:
     return flat(g).double()
 
 
-def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int = 1024, explicit: bool = True
+def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = None, explicit: bool = True
                  ) -> tuple[dict[str, torch.Tensor | None], dict[str, float], int]:
     """One pass: ``({layer: F [D, D] or None}, {layer: tr(F)}, N)``."""
     fisher: dict[str, torch.Tensor | None] = {n: None for n in layers}
@@ -61,7 +61,7 @@ def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int = 1024, e
 
 
 def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: int = 8, iterations: int = 3,
-                   block_size: int = 1024, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                   block_size: int | None = None, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{layer: (V [D, r], eigenvalues [r])}`` of F by streaming subspace iteration (memory O(D·r)).
 
     ``iterations`` passes over the store after the random start, each orthonormalized; a final
@@ -136,7 +136,7 @@ class Influence:
         self.info: dict[str, Any] = {}
         self._fitted: dict[str, Any] | None = None
 
-    def fit(self, store: Any, layers: Sequence[str], *, block_size: int = 1024) -> None:
+    def fit(self, store: Any, layers: Sequence[str], *, block_size: int | None = None) -> None:
         """Estimate each layer's Fisher (explicit or low-rank) and its damping from the store.
 
         The result is cached beside the store (``<store>/cache/influence-<key>.safetensors``, keyed by
@@ -207,7 +207,7 @@ class Influence:
         self.info = {**info, "cached": True}
         return True
 
-    def _fit(self, store: Any, layers: Sequence[str], block_size: int) -> None:
+    def _fit(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
         fisher, trace, num = fisher_stats(store, layers, block_size=block_size, explicit=self.hessian == "raw")
         shapes = store.layer_shapes
         damping = {n: (self.damping if self.damping is not None

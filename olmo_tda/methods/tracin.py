@@ -67,7 +67,7 @@ def nearest_checkpoint(steps: np.ndarray, checkpoint_steps: Sequence[int]) -> np
 
 
 def tracin_inrun(store: Any, query_grads_at: Callable[[int], Grads], checkpoint_steps: Sequence[int], *,
-                 layers: Iterable[str] | None = None, block_size: int = 1024,
+                 layers: Iterable[str] | None = None, block_size: int | None = None,
                  progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, np.ndarray]:
     """In-run TracIn scores ``([Q, E] float64, example ids [E])`` from a store's captured rows.
 

@@ -6,7 +6,11 @@ Opening reads ``store.json`` and the manifests and reconciles them with the shar
 
 Rows come in *blocks* of at most ``block_size`` rows, read as HDF5 slices shard by shard; a block
 may span shards. Memory is bounded by ``block_size`` rows of the selected layers plus the
-per-shard key columns (ids/steps/lr/loss_scale, 32 bytes a row).
+per-shard key columns (ids/steps/lr/loss_scale, 32 bytes a row). By default (``block_size=None``)
+a block is as many rows as fit in :data:`BLOCK_BYTES` of decoded float32 values of the selected
+layers, at most :data:`MAX_BLOCK_ROWS`: a fixed 1024 rows would hold 1 GiB per block for a dense
+OLMo-1B store (64 Linears at k=64) and, for LoRIF rows of a few KB, pay per-block costs (HDF5 reads,
+kernel calls, top-k merges) every few MB.
 
 Cold stores are read while they are scored: on opening a shard the reader asks the kernel
 (``posix_fadvise(WILLNEED)``, from a helper thread so a busy disk never stalls the scoring) to
@@ -209,10 +213,18 @@ class GradientStore:
 
     # -- reading ----------------------------------------------------------------------------------
 
-    def iter_blocks(self, layers: Iterable[str] | None = None, block_size: int = 1024,
+    def block_rows(self, layers: Iterable[str] | None = None) -> int:
+        """Rows of a default block: :data:`BLOCK_BYTES` of decoded float32 values of ``layers`` (all
+        by default), between 1 and :data:`MAX_BLOCK_ROWS`."""
+        row_bytes = 4 * sum(int(np.prod(stored_shape(self.meta["layers"][i])))
+                            for _, i in self._layer_indices(layers))
+        return int(min(MAX_BLOCK_ROWS, max(1, BLOCK_BYTES // max(1, row_bytes))))
+
+    def iter_blocks(self, layers: Iterable[str] | None = None, block_size: int | None = None,
                     steps: Iterable[int] | None = None, ids: Iterable[int] | None = None,
                     readahead: bool = True) -> Iterator[GradientBlock]:
-        """Stream rows in blocks of at most ``block_size`` (the last may be smaller).
+        """Stream rows in blocks of at most ``block_size`` rows (the last may be smaller; None:
+        :meth:`block_rows`, sized by bytes).
 
         ``layers``: names to decode (default all); ``steps`` / ``ids``: keep only rows whose step /
         example id is in the given collection. Row order is shard order (see :attr:`shards`),
@@ -220,6 +232,8 @@ class GradientStore:
         kernel for the next shard's bytes while this one is scored (see the module docstring;
         off when ``ids`` is given).
         """
+        if block_size is None:
+            block_size = self.block_rows(layers)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         indices = self._layer_indices(layers)
@@ -326,6 +340,14 @@ class GradientStore:
             raise StoreCorruptError(f"gradient store shard {path} cannot be opened ({e}); if a writer "
                                     "truncated the store meanwhile call refresh(), else open with "
                                     "repair=True") from e
+
+
+BLOCK_BYTES = 64 << 20
+"""Decoded (float32) bytes of the selected layers per block when ``block_size`` is None: 1024 rows
+of 4 dense 64×64 layers."""
+MAX_BLOCK_ROWS = 4096
+"""Cap on the rows of a default block (for factor rows of c=2 at k=64, 4096 rows are 16 MB: larger
+blocks were no faster, and two of them are alive at once while the next is read)."""
 
 
 def _byte_ranges(f, layer_indices: list[int]) -> list[tuple[int, int]]:
