@@ -141,6 +141,10 @@ def test_default_block_is_sized_by_decoded_bytes(tmp_path, monkeypatch):
     assert np.array_equal(np.concatenate([b.ids for b in blocks]), full.ids)
     for name in LAYERS:
         assert torch.equal(torch.cat([b.grads[name] for b in blocks]), full.grads[name])
+    one_shot = list(store.iter_blocks(layers=(n for n in [LAYERS[0]])))   # a generator is read once
+    assert all(list(b.grads) == [LAYERS[0]] for b in one_shot)
+    rows = store.block_rows([LAYERS[0]])
+    assert rows > 4 and all(len(b) == rows for b in one_shot[:-1]) and sum(len(b) for b in one_shot) == 21
     monkeypatch.setattr(reader_module, "BLOCK_BYTES", 1)           # less than a row: one row a block
     assert store.block_rows() == 1 and len(list(store.iter_blocks())) == 21
     monkeypatch.setattr(reader_module, "BLOCK_BYTES", 1 << 40)     # never more than the cap

@@ -216,8 +216,10 @@ class GradientStore:
     def block_rows(self, layers: Iterable[str] | None = None) -> int:
         """Rows of a default block: :data:`BLOCK_BYTES` of decoded float32 values of ``layers`` (all
         by default), between 1 and :data:`MAX_BLOCK_ROWS`."""
-        row_bytes = 4 * sum(int(np.prod(stored_shape(self.meta["layers"][i])))
-                            for _, i in self._layer_indices(layers))
+        return self._block_rows(self._layer_indices(layers))
+
+    def _block_rows(self, indices: list[tuple[str, int]]) -> int:
+        row_bytes = 4 * sum(int(np.prod(stored_shape(self.meta["layers"][i]))) for _, i in indices)
         return int(min(MAX_BLOCK_ROWS, max(1, BLOCK_BYTES // max(1, row_bytes))))
 
     def iter_blocks(self, layers: Iterable[str] | None = None, block_size: int | None = None,
@@ -232,11 +234,11 @@ class GradientStore:
         kernel for the next shard's bytes while this one is scored (see the module docstring;
         off when ``ids`` is given).
         """
+        indices = self._layer_indices(layers)      # (``layers`` may be a one-shot iterable)
         if block_size is None:
-            block_size = self.block_rows(layers)
+            block_size = self._block_rows(indices)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        indices = self._layer_indices(layers)
         step_set = None if steps is None else np.unique(np.asarray(list(steps), dtype=np.int64))
         id_set = None if ids is None else np.unique(np.asarray(list(ids), dtype=np.int64))
         pending: list[GradientBlock] = []
