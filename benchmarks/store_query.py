@@ -68,6 +68,7 @@ from olmo_tda.config import StoreConfig, StoreDType
 from olmo_tda.methods.base import attribute
 from olmo_tda.ops import inner_route
 from olmo_tda.store import GradientStore
+from olmo_tda.store.format import disk_dtype
 from olmo_tda.store.record import GradientRecord, LowRank
 
 K = 64                      # projected width per side (LoGRA default)
@@ -411,8 +412,8 @@ def energy_profile(dense: torch.Tensor) -> list[float]:
 
 
 def needed_bytes(args, ranks: list[int]) -> int:
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}
-    per_example = sum(len(LAYERS) * itemsize[dtype] * (K * K if rank == 0 else 2 * K * rank)
+    per_example = sum(len(LAYERS) * np.dtype(disk_dtype(StoreDType(dtype))).itemsize
+                      * (K * K if rank == 0 else 2 * K * rank)
                       for rank, dtype in store_specs(args, ranks).values())
     return int(per_example * (args.n + args.n_small) * 1.05)
 
@@ -607,11 +608,13 @@ def main(argv=None) -> dict:
         specs = built["specs"]
         names = list(specs)
         full = {name: paths[1] for name, paths in built["paths"].items()}
-        nbytes = {name: GradientStore.open(full[name]).nbytes for name in names}
-        block_rows = {name: GradientStore.open(full[name]).block_rows() for name in names}
+        opened = {name: GradientStore.open(full[name]) for name in names}
+        nbytes = {name: store.nbytes for name, store in opened.items()}
+        block_rows = {name: store.block_rows() for name, store in opened.items()}
+        name_of = {spec: name for name, spec in specs.items()}         # (rank, dtype) -> store name
         # the recommended configuration is a rank in the compact dtype when there is one (the dtype
         # fidelity_bytes.py recommends), else in --dtype; it is compared against dense in --dtype
-        tag = "." + _DTYPE_TAG[args.compact_dtype] if any("." in n for n in names) else ""
+        rec_dtype = args.compact_dtype if (0, args.compact_dtype) in name_of else args.dtype
 
         # fidelity (untimed; also fills the page cache). An arm: (store, queries, query rank,
         # readahead, the store's name)
@@ -625,9 +628,9 @@ def main(argv=None) -> dict:
         for name in names:
             fidelity(name)
         spearman = {name: spearman_vs(scores["dense"], scores[name]) for name in names}
-        meets = [c for c in ranks if spearman[f"c{c}{tag}"] >= 0.9]
-        best = min(meets) if meets else max(ranks, key=lambda c: spearman[f"c{c}{tag}"])
-        rec = f"c{best}{tag}"
+        meets = [c for c in ranks if spearman[name_of[(c, rec_dtype)]] >= 0.9]
+        best = min(meets) if meets else max(ranks, key=lambda c: spearman[name_of[(c, rec_dtype)]])
+        rec = name_of[(best, rec_dtype)]
         if args.query_rank:     # exploratory, not the headline: the queries as rank-r factors too
             extra = f"{rec}+q{args.query_rank}"
             arms[extra] = (full[rec], queries, args.query_rank, True, rec)     # attribute(..., query_rank=r)
@@ -690,7 +693,7 @@ def main(argv=None) -> dict:
     rows = {}
     for name, (_, _, rank_q, _, base) in arms.items():
         c, dtype = specs[base]
-        same = "dense" + ("." + base.split(".")[1] if "." in base else "")     # dense in the same dtype
+        same = name_of[(0, dtype)]                                      # dense in the same dtype
         mem = memory.get(name, {"peak_small_mb": None, "peak_full_mb": None})
         nb = nbytes[base]
         block = args.block_size or block_rows[base]
@@ -751,8 +754,8 @@ def main(argv=None) -> dict:
           f"{off['cold_s']:.2f} s without ({off['cold_s'] / head['cold_s']:.2f}x); warm {head['warm_s']:.2f} vs "
           f"{off['warm_s']:.2f} s; reading alone, cold: {statistics.median(read_pass[True]):.2f} s with, "
           f"{statistics.median(read_pass[False]):.2f} s without")
-    if tag:
-        ref = rows[f"c{best}"]
+    if rec_dtype != args.dtype:
+        ref = rows[name_of[(best, args.dtype)]]
         print(f"the recommended store {rec} against dense in its own dtype ({head['dtype']}): "
               f"{head['size_ratio_same_dtype']:.1f}x smaller, {head['speedup_cold_same_dtype']:.2f}x cold, "
               f"{head['speedup_warm_same_dtype']:.2f}x warm; c={best} in {args.dtype} against dense: "
