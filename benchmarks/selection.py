@@ -140,6 +140,8 @@ def run_arm(arm: str, seed: int, paths: dict[str, Path], val_tokens: torch.Tenso
                       f"--tda.selection.proj_dim={args.proj_dim}", f"--tda.selection.score_tokens={args.score_tokens}",
                       f"--tda.selection.seed={seed}", f"--tda.selection.mode={args.mode}",
                       f"--tda.selection.keep_fraction={args.keep_fraction}",
+                      f"--tda.selection.precondition={str(args.precondition).lower()}",
+                      f"--tda.selection.normalize={str(args.normalize).lower()}",
                       f"--tda.selection.embeddings={str(args.embeddings and not scope).lower()}",
                       f"--tda.selection.exclude_modules=[{exclude}]"]
     cfg, tda = load_configs(ROOT / "configs" / "demo_tiny.yaml", overrides)
@@ -291,6 +293,10 @@ def main(argv=None) -> dict:
     p.add_argument("--proj-dim", type=int, default=16)
     p.add_argument("--embeddings", action=argparse.BooleanOptionalAction, default=False,
                    help="selection.embeddings: score the token-embedding gradient too")
+    p.add_argument("--precondition", action=argparse.BooleanOptionalAction, default=True,
+                   help="selection.precondition: greats/alignment score g / sqrt(v) (diagonal K-FAC second moment)")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=False,
+                   help="selection.normalize: greats/alignment compare gradients of equal length (a cosine)")
     p.add_argument("--exclude", default="",
                    help="selection.exclude_modules of the arms without a -scope, comma-separated fnmatch patterns")
     p.add_argument("--score-tokens", type=int, default=0, help="0 = all (16 scored noticeably worse)")
@@ -341,7 +347,8 @@ def main(argv=None) -> dict:
           f"(pool {3 * args.n_each}: {args.steps * args.batch / (3 * args.n_each):.2f} epoch), rounds every "
           f"{args.every} steps over {args.window} upcoming examples ({args.mode}), scored on "
           f"{args.score_tokens or args.seq} tokens, "
-          f"k={args.proj_dim}, {args.seeds} seed(s), curves averaged over the last {args.smooth} evaluations")
+          f"k={args.proj_dim}, {'preconditioned' if args.precondition else 'raw gradients'}, {args.seeds} seed(s), "
+          f"curves averaged over the last {args.smooth} evaluations")
     print(f"{'arm':10s} {'steps_saved':>11s} {'cm_delta':>9s} {'final_delta':>11s} {'overhead':>9s} {'target@front':>12s}")
     for arm, s in summary.items():
         front = "-" if s["front_target_frac"] is None else f"{s['front_target_frac']:.2f}"

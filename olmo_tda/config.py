@@ -397,6 +397,19 @@ class SelectionConfig:
     """Projection width per side of the gradients a round compares (0 = exact)."""
     score_tokens: int = 0
     """Score each example on its first n tokens only (0 = all): a cheaper, approximate round."""
+    precondition: bool = True
+    """greats / alignment: score what the optimizer would do with each example, not its raw gradient:
+    every window gradient is divided, coordinate by coordinate, by an Adam-like ``sqrt(v)``, with ``v``
+    the diagonal K-FAC estimate ``E[δ_i²]·E[a_j²]`` measured on the round's target pass (see
+    docs/ARCHITECTURE.md). Without it a few high-variance directions (early in training: the byte or
+    token frequencies every text shares) dominate the score."""
+    normalize: bool = False
+    """greats / alignment: give every window gradient the same length (the window's mean) before
+    scoring, so the score is a cosine: long or high-loss examples no longer win by their gradient's
+    size alone."""
+    precondition_damping: float = 0.01
+    """Floor of each second-moment factor, as a fraction of its mean (features the target never
+    exercised would otherwise be weighted without bound)."""
     micro_batch: int = 0
     """Examples per forward/backward of a round (0 = the run's device micro-batch)."""
     seed: int = 0
@@ -411,6 +424,8 @@ class SelectionConfig:
         _check(self.proj_dim >= 0, f"{path}.proj_dim", f"must be >= 0 (0 = exact), got {self.proj_dim}")
         _check(self.score_tokens >= 0, f"{path}.score_tokens", f"must be >= 0 (0 = all), got {self.score_tokens}")
         _check(self.score_tokens != 1, f"{path}.score_tokens", "needs at least 2 tokens (one next-token loss)")
+        _check(self.precondition_damping > 0, f"{path}.precondition_damping",
+               f"must be > 0, got {self.precondition_damping}")
         _check(self.micro_batch >= 0, f"{path}.micro_batch", f"must be >= 0, got {self.micro_batch}")
         _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
         if self.enabled and self.policy in (SelectionPolicy.GREATS, SelectionPolicy.ALIGNMENT):

@@ -3,6 +3,8 @@ the issue names: GAS, activation checkpointing, clip_qkv, biases, masked labels,
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -208,11 +210,17 @@ def test_no_grad_forward_is_ignored_and_eval_forward_doesnt_leak():
     assert all(rel_err(g, exact[n + ".weight"]) < TOL for n, g in rec.dense().items())
 
 
-def test_projected_equals_projection_of_exact():
+def _olmo_with_biases():
+    """A tiny OLMo with biases, drawn nonzero (OLMo inits them to zero) so they matter."""
     model = tiny_olmo(include_bias=True)
     for p in model.parameters():
         if p.ndim == 1:
             nn.init.normal_(p, std=0.1)
+    return model
+
+
+def test_projected_equals_projection_of_exact():
+    model = _olmo_with_biases()
     ids = _ids()
     cap = GradientCapture(model, CaptureConfig(proj_dim=(16, 8), seed=3))
     with cap.record(range(3)) as rec:
@@ -223,6 +231,51 @@ def test_projected_equals_projection_of_exact():
         assert g.shape == (3, 16, 8)
         want = p_out @ linear_grad(exact, name, True) @ p_in.T
         assert rel_err(g, want) < TOL, name
+
+
+def test_scaled_capture_is_the_projection_of_the_scaled_exact_gradient():
+    """``cap.scaled`` captures ``diag(s_out) g diag(s_in)`` (bias column included), projected; the
+    moments gathered in the same pass are the plain per-feature sums of squares of the inputs and of
+    the de-scaled output gradients."""
+    model = _olmo_with_biases()
+    ids = _ids()
+    cap = GradientCapture(model, CaptureConfig(proj_dim=(16, 8), seed=3))
+    gen = torch.Generator().manual_seed(0)
+    scales = {}
+    for name, m in cap.modules.items():
+        scales[name] = (torch.rand(m.out_features, generator=gen) + 0.5,
+                        torch.rand(m.in_features + 1, generator=gen) + 0.5)
+    seen, grads = {}, {}
+
+    def keep(name, module, args, output):
+        seen[name] = args[0].detach()
+        output.register_hook(lambda g: grads.__setitem__(name, g.detach()))
+    hooks = [m.register_forward_hook(functools.partial(keep, n)) for n, m in cap.modules.items()]
+    loss_scale = 7.0
+    with cap.moments() as moments, cap.scaled(scales), cap.record(range(3), loss_scale=loss_scale) as rec:
+        (token_losses(model(ids).logits, ids).sum() / loss_scale).backward()
+    for h in hooks:
+        h.remove()
+    deltas = [grads[n] for n in cap.modules]
+    exact = exact_per_example_grads(model, ids)
+    for name, g in rec.dense().items():
+        p_out, p_in = cap.projection(name)
+        s_out, s_in = scales[name]
+        want = p_out @ (s_out[:, None] * linear_grad(exact, name, True) * s_in[None, :]) @ p_in.T
+        assert rel_err(g, want) < TOL, name
+    for (name, m), d in zip(cap.modules.items(), deltas):
+        a = seen[name].reshape(-1, m.in_features).double()
+        want_in = torch.cat([a.square().sum(0), torch.tensor([float(len(a))], dtype=torch.float64)])
+        want_out = (d.reshape(-1, m.out_features).double() * loss_scale).square().sum(0)
+        assert moments[name].tokens == len(a)
+        assert rel_err(moments[name].in_sq, want_in) < TOL and rel_err(moments[name].out_sq, want_out) < TOL, name
+    # outside the blocks: plain capture again
+    with cap.record(range(3)) as rec:
+        token_losses(model(ids).logits, ids).sum().backward()
+    name = next(iter(cap.modules))
+    p_out, p_in = cap.projection(name)
+    assert rel_err(rec.dense()[name], p_out @ linear_grad(exact, name, True) @ p_in.T) < TOL
+    cap.remove()
 
 
 def test_pause_remove_and_disabled():

@@ -4,6 +4,7 @@ a round on a tiny OLMo against torch.func gradients with the training state chec
 from __future__ import annotations
 
 import copy
+import functools
 import json
 
 import numpy as np
@@ -44,7 +45,7 @@ def test_rewrite_refuses_a_window_that_is_not_the_upcoming_one():
         rewrite_order(order, 2, np.array([3, 2]), 0)
 
 
-def _greats_brute_force(G, target, lr, batch):
+def _greats_brute_force(G, target, lr, batch, curvature=None):
     """GREATS by definition: explicit Gram matrix, Python loops."""
     W = len(G)
     gram = [[float(np.dot(G[i], G[j])) for j in range(W)] for i in range(W)]
@@ -53,7 +54,8 @@ def _greats_brute_force(G, target, lr, batch):
     while left:
         slot = []
         for _ in range(min(batch, len(left))):
-            gains = {i: align[i] - lr ** 2 * sum(gram[i][j] for j in slot) for i in left}
+            c = lr ** 2 if curvature is None else curvature
+            gains = {i: align[i] - c * sum(gram[i][j] for j in slot) for i in left}
             best = max(sorted(gains), key=lambda i: gains[i])
             slot.append(best)
             left.remove(best)
@@ -61,14 +63,16 @@ def _greats_brute_force(G, target, lr, batch):
     return order
 
 
-@pytest.mark.parametrize("lr,batch", [(0.05, 4), (1.0, 3), (1e-6, 5)])
-def test_greats_equals_its_definition(lr, batch):
+@pytest.mark.parametrize("lr,batch,curvature", [(0.05, 4, None), (1.0, 3, None), (1e-6, 5, None), (0.05, 4, 0.3)])
+def test_greats_equals_its_definition(lr, batch, curvature):
     gen = torch.Generator().manual_seed(1)
     G = torch.randn(13, 7, generator=gen, dtype=torch.float64)
     G[5] = G[2]                                      # a duplicate: redundancy must push it apart
     target = torch.randn(7, generator=gen, dtype=torch.float64)
-    order, gains = greats_order(G, target, lr, batch)
-    assert order.tolist() == _greats_brute_force(G.numpy(), target.numpy(), lr, batch)
+    order, gains = greats_order(G, target, lr, batch, curvature)
+    assert order.tolist() == _greats_brute_force(G.numpy(), target.numpy(), lr, batch, curvature)
+    if curvature is not None:                        # a stronger redundancy term changes the order
+        assert order.tolist() != greats_order(G, target, lr, batch)[0].tolist()
     if lr == 1e-6:                                   # no redundancy to speak of: the alignment order
         assert order.tolist() == np.argsort(-(G @ target).numpy(), kind="stable").tolist()
 
@@ -149,7 +153,35 @@ def _tokens(n, T=12, seed=0):
     return torch.randint(0, 96, (n, T), generator=torch.Generator().manual_seed(seed))
 
 
-def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path):
+def _diag_preconditioner(model, names, tokens, tokens_per_batch, damping):
+    """``({name: 1 / sqrt(v) [O, I]}, mean of R_i C_j)`` with ``v_ij = R_i C_j / N``, measured by plain
+    hooks: ``R`` the mean square of each output's gradient of the summed token loss, ``C`` of each
+    input, per token."""
+    modules = dict(model.named_modules())
+    acts, outs = {}, {}
+
+    def keep(name, module, args, output):
+        acts[name], outs[name] = args[0].detach(), output
+
+    handles = [modules[n].register_forward_hook(functools.partial(keep, n)) for n in names]
+    logits = model(tokens).logits
+    for h in handles:
+        h.remove()
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    deltas = torch.autograd.grad(ce, [outs[n] for n in names])
+    out, fisher = {}, []
+    for n, d in zip(names, deltas):
+        a = acts[n].reshape(-1, acts[n].shape[-1]).double()
+        d = d.reshape(-1, d.shape[-1]).double()
+        r, c = d.square().mean(0), a.square().mean(0)
+        r, c = r.clamp_min(damping * r.mean()), c.clamp_min(damping * c.mean())
+        out[n] = (tokens_per_batch / (r[:, None] * c[None, :])).sqrt()
+        fisher.append((r[:, None] * c[None, :]).flatten())
+    return out, float(torch.cat(fisher).mean())
+
+
+@pytest.mark.parametrize("precondition", [False, True])
+def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path, precondition):
     torch.manual_seed(0)
     model = tiny_olmo(attention_dropout=0.1, residual_dropout=0.1)     # dropout: eval mode must be used
     model.train()
@@ -162,8 +194,7 @@ def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path):
               {n: p.grad.clone() for n, p in model.named_parameters()}, torch.get_rng_state())
     (tmp_path / "target.txt").write_text("target texts (the round gets them as tokens)\n")
     cfg = SelectionConfig(enabled=True, every_n=1, window=10, policy="greats", target=str(tmp_path / "target.txt"),
-                          proj_dim=0,
-                          target_examples=5, micro_batch=3)
+                          proj_dim=0, target_examples=5, micro_batch=3, precondition=precondition)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
                          target_tokens=target)
     order = np.arange(24)
@@ -185,10 +216,19 @@ def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path):
     names = list(sel.capture.modules)
     exact = exact_per_example_grads(model, data[6:16])
     exact_t = exact_per_example_grads(model, target)
+    # preconditioned: P from the target's moments scales the window; GREATS' curvature is η²·h
+    precond, fisher = (_diag_preconditioner(model, names, target, 4 * 12, cfg.precondition_damping) if precondition
+                       else (None, 1.0))
     model.train()
-    flat = torch.cat([exact[f"{n}.weight"].reshape(10, -1) for n in names], dim=1).double()
+    flat = torch.cat([(exact[f"{n}.weight"].double() * (precond[n] if precondition else 1)).reshape(10, -1)
+                      for n in names], dim=1)
     tgt = torch.cat([exact_t[f"{n}.weight"].reshape(5, -1) for n in names], dim=1).double().sum(0) / (5 * 11)
-    want, _ = greats_order(flat, tgt, 0.5 / 48, 4)
+    eta = 0.5 / 48
+    want, _ = greats_order(flat, tgt, eta, 4, curvature=eta ** 2 * fisher)
+    assert stats["preconditioned"] is precondition
+    if precondition:                    # the scaling changes the order here (the check can fail)
+        raw = torch.cat([exact[f"{n}.weight"].reshape(10, -1) for n in names], dim=1).double()
+        assert not np.array_equal(greats_order(raw, tgt, eta, 4)[0], want)
     logged = np.load(tmp_path / "sel" / json.loads((tmp_path / "sel" / "rounds.jsonl").read_text())["file"])
     assert np.array_equal(logged, new[6:16]) and np.array_equal(new[6:16], 6 + want)
     assert stats["examples_rescored"] == 10 and stats["seconds"] > 0
@@ -202,7 +242,8 @@ def test_round_with_embeddings_scores_the_exact_table_gradient(tmp_path):
     data, target = _tokens(16), _tokens(4, seed=1)
     (tmp_path / "target.txt").write_text("t\n")
     cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment", target=str(tmp_path / "target.txt"),
-                          proj_dim=0, target_examples=4, micro_batch=5, embeddings=True, exclude_modules=["*wpe"])
+                          proj_dim=0, target_examples=4, micro_batch=5, embeddings=True, exclude_modules=["*wpe"],
+                          precondition=False)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
                          target_tokens=target)
     assert "transformer.wte" in sel.capture.modules and "transformer.wpe" not in sel.capture.modules
@@ -224,6 +265,98 @@ def test_round_with_embeddings_scores_the_exact_table_gradient(tmp_path):
     sel.close()
 
 
+def test_preconditioned_round_scales_a_tied_token_table_by_its_own_moments(tmp_path):
+    """A tied table's gradient has two shares (lookup and head); its second-moment factors add both:
+    rows (d) see the lookup's output gradient and the head's input, columns (V) the lookup's id counts
+    and the logits' gradient, over the target. The round's alignment is ⟨ḡ, P·g_i⟩ with P from them."""
+    model = tiny_olmo(weight_tying=True)
+    data, target = _tokens(16), _tokens(4, seed=1)
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment", target=str(tmp_path / "target.txt"),
+                          proj_dim=0, target_examples=4, micro_batch=5, embeddings=True, precondition=True,
+                          exclude_modules=["*wpe"])
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
+                         target_tokens=target)
+    new, stats = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
+                         tokens_per_batch=48, batch_size=4)
+    assert stats["preconditioned"]
+    model.eval()
+    exact, exact_t = exact_per_example_grads(model, data[2:14]), exact_per_example_grads(model, target)
+    names = list(sel.capture.modules)
+    linears = [n for n in names if not n.endswith("wte")]
+    precond, _ = _diag_preconditioner(model, linears, target, 48, cfg.precondition_damping)
+    # the table: [d, V] rows as captured (transposed weight); both shares measured by plain hooks
+    seen = {}
+    hooks = [model.transformer.wte.register_forward_hook(lambda m, a, o: seen.update(ids=a[0], emb=o)),
+             model.transformer.ln_f.register_forward_hook(lambda m, a, o: seen.update(x=o))]
+    logits = model(target).logits
+    for h in hooks:
+        h.remove()
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten(), reduction="sum")
+    d_emb, d_logits = torch.autograd.grad(ce, [seen["emb"], logits])
+    tokens = 2 * target.numel()
+    r = (d_emb.double().square().sum((0, 1)) + seen["x"].detach().double().square().sum((0, 1))) / tokens
+    c = (torch.bincount(seen["ids"].flatten(), minlength=96).double() + d_logits.double().square().sum((0, 1))) / tokens
+    r, c = r.clamp_min(0.01 * r.mean()), c.clamp_min(0.01 * c.mean())
+    precond["transformer.wte"] = (48 / (r[:, None] * c[None, :])).sqrt()
+    model.train()
+
+    def flat(g, n, scaled):
+        rows = [g[f"{m}.weight"].transpose(1, 2) if m.endswith("wte") else g[f"{m}.weight"] for m in names]
+        return torch.cat([(r.double() * (precond[m] if scaled else 1)).reshape(n, -1)
+                          for m, r in zip(names, rows)], dim=1)
+    tgt = flat(exact_t, 4, False).sum(0) / (4 * 11)
+    want, _ = order_window("alignment", align=(flat(exact, 12, True) @ tgt).numpy())
+    assert np.array_equal(new[2:14], 2 + want)
+    assert not np.array_equal(np.argsort(-(flat(exact, 12, False) @ tgt).numpy(), kind="stable"), want)
+    sel.close()
+
+
+def test_normalized_alignment_is_a_cosine(tmp_path):
+    """``normalize: true`` ranks by ⟨ḡ, g_i⟩ / |g_i| (exact gradients, no preconditioner), which here
+    differs from the raw inner product's order."""
+    model = tiny_olmo()
+    data, target = _tokens(16), _tokens(4, seed=1)
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment", target=str(tmp_path / "target.txt"),
+                          proj_dim=0, target_examples=4, micro_batch=5, precondition=False, normalize=True)
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
+                         target_tokens=target)
+    new, _ = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
+                     tokens_per_batch=48, batch_size=4)
+    model.eval()
+    exact, exact_t = exact_per_example_grads(model, data[2:14]), exact_per_example_grads(model, target)
+    names = list(sel.capture.modules)
+    g = torch.cat([exact[f"{n}.weight"].reshape(12, -1) for n in names], dim=1).double()
+    t = torch.cat([exact_t[f"{n}.weight"].reshape(4, -1) for n in names], dim=1).double().sum(0)
+    want = np.argsort(-((g @ t) / g.norm(dim=1)).numpy(), kind="stable")
+    assert np.array_equal(new[2:14], 2 + want)
+    assert not np.array_equal(np.argsort(-(g @ t).numpy(), kind="stable"), want)
+    sel.close()
+
+
+def test_capture_scales_and_moments_refuse_bad_input():
+    from olmo_tda.capture import GradientCapture, CaptureError
+    from olmo_tda.config import CaptureConfig
+
+    model = tiny_olmo()
+    cap = GradientCapture(model, CaptureConfig(proj_dim=4))
+    name = next(iter(cap.modules))
+    with pytest.raises(CaptureError, match="not a captured layer"):
+        with cap.scaled({"nope": (torch.ones(1), torch.ones(1))}):
+            pass
+    with pytest.raises(CaptureError, match=f"scales of {name}"):
+        with cap.scaled({name: (torch.ones(3), torch.ones(3))}):
+            pass
+    with cap.moments():
+        with pytest.raises(CaptureError, match="cannot be nested"):
+            with cap.moments():
+                pass
+    with pytest.raises(ConfigError, match="precondition_damping"):
+        TDAConfig.from_dict({"selection": {"precondition_damping": 0}})
+    cap.remove()
+
+
 def test_round_at_the_end_of_the_epoch_does_nothing(tmp_path):
     model = tiny_olmo()
     cfg = SelectionConfig(enabled=True, every_n=1, window=4, policy="loss")
@@ -235,3 +368,27 @@ def test_round_at_the_end_of_the_epoch_does_nothing(tmp_path):
     new, _ = sel.run(step=4, epoch=0, order=np.arange(8), start=6, fetch=lambda ids: data[ids], lr=1.0,
                      tokens_per_batch=1, batch_size=1)      # a window cut short by the epoch's end
     assert sorted(new[6:].tolist()) == [6, 7]
+
+
+def test_two_rank_preconditioned_round_equals_one_process(tmp_path):
+    """2-rank gloo: each rank measures half the window and half the target; the moments are summed
+    over ranks before the preconditioner is formed, so both ranks apply the order one process finds."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(here / "_selector_worker.py"), str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=here)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    two = np.load(tmp_path / "two_ranks.npy")
+    from _selector_worker import round_scores
+    (tmp_path / "one").mkdir()
+    order, promoted = round_scores(tmp_path / "one", tmp_path / "one" / "sel")
+    assert np.array_equal(two[0, :-1], two[1, :-1])                       # both ranks apply one order
+    assert np.array_equal(two[0, :-1].astype(np.int64), order)            # the one a single process finds
+    assert two[0, -1] == pytest.approx(promoted, rel=1e-4)

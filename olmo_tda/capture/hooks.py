@@ -48,7 +48,8 @@ from ..store.record import GradientRecord, LowRank, cat_rows
 from .factors import factor_route, lowrank_factors, truncate_dense
 from .projection import Projector, make_projector, specs_hash
 
-__all__ = ["GradientCapture", "Recording", "CaptureError", "canonical_name", "select_linears"]
+__all__ = ["GradientCapture", "Recording", "CaptureError", "LayerMoments", "reduce_moments",
+           "canonical_name", "select_linears"]
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +311,8 @@ class GradientCapture:
         """``[(table name, final-norm module, model module, logit scale)]`` of OLMo output heads tied to a
         captured token table: their share of the table's gradient is added to the table's rows."""
         self._tied_acts: dict[str, Any] = {}
+        self._scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._moments: dict[str, LayerMoments] | None = None
         unused = [o.modules for o in self.config.overrides
                   if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
         if unused:
@@ -344,18 +347,29 @@ class GradientCapture:
             return
         acts = (args[0] if args else kwargs["input"]).detach()
         proj = self.projectors[name].to(acts.device)
+        scale = self._scales.get(name) if self._scales is not None else None
         if isinstance(module, nn.Embedding):
             if acts.ndim < 1:
                 raise CaptureError(f"embedding {name} got a scalar input; capture needs a leading batch dimension "
                                    "([B, ...] token ids)")
-            acts_BTKi = proj.project_ids(acts.reshape(acts.shape[0], -1), module.padding_idx)
+            ids = acts.reshape(acts.shape[0], -1)
+            acts_BTKi = proj.project_ids(ids, module.padding_idx)
+            if self._moments is not None:
+                self._moments[name].add_ids(ids, module.padding_idx)
+            if scale is not None:
+                acts_BTKi = acts_BTKi * scale[1].to(acts_BTKi.device)[ids].unsqueeze(-1)
         else:
             if acts.ndim < 2:
                 raise CaptureError(f"layer {name} got an unbatched input of shape {tuple(acts.shape)}; capture "
                                    "needs a leading batch dimension ([B, ..., features])")
             with _fp32(acts.device.type):
-                acts_BTKi = proj.project_in(acts.reshape(acts.shape[0], -1, acts.shape[-1]).float(),
-                                            self._with_bias[name])
+                a = acts.reshape(acts.shape[0], -1, acts.shape[-1]).float()
+                if self._moments is not None:
+                    self._moments[name].add_in(a)
+                if scale is None:
+                    acts_BTKi = proj.project_in(a, self._with_bias[name])
+                else:
+                    acts_BTKi = proj.project_in(_scaled_in(a, scale[1].to(a.device), self._with_bias[name]), False)
         # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
         # re-entrant checkpointing, where they belong to the forward being backpropagated.
         output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi))
@@ -367,7 +381,12 @@ class GradientCapture:
             return
         proj = self.projectors[name]
         with _fp32(grad.device.type):
-            grads_BTKo = proj.project_out(grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float())
+            g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
+            if self._moments is not None:
+                self._moments[name].add_out(g, rec.loss_scale)
+            if self._scales is not None and name in self._scales:
+                g = g * self._scales[name][0].to(g.device)
+            grads_BTKo = proj.project_out(g)
             self._add(rec, name, forward_id, grads_BTKo, acts_BTKi)
 
     def _recording(self, name: str, recomputed: bool) -> Recording | None:
@@ -408,9 +427,13 @@ class GradientCapture:
         if self._paused or not torch.is_grad_enabled() or not output.requires_grad or _in_backward():
             return
         proj = self.projectors[name].to(output.device)
-        x = output.detach()
-        with _fp32(x.device.type):
-            self._tied_acts[name] = (self._forward_id, proj.project_out(x.reshape(x.shape[0], -1, x.shape[-1]).float()))
+        with _fp32(output.device.type):
+            x = output.detach().reshape(output.shape[0], -1, output.shape[-1]).float()
+            if self._moments is not None:
+                self._moments[name].add_head_in(x)
+            if self._scales is not None and name in self._scales:
+                x = x * self._scales[name][0].to(x.device)
+            self._tied_acts[name] = (self._forward_id, proj.project_out(x))
 
     def _on_head_output(self, name: str, scale: float, module: nn.Module, args: tuple, output: Any) -> None:
         pending = self._tied_acts.pop(name, None)
@@ -429,6 +452,10 @@ class GradientCapture:
             g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
             if scale != 1.0:            # the gradient w.r.t. the logits before OLMo's in-place scale_logits
                 g = g * scale
+            if self._moments is not None:
+                self._moments[name].add_head_out(g, rec.loss_scale)
+            if self._scales is not None and name in self._scales:
+                g = g * self._scales[name][1].to(g.device)
             self._add(rec, name, forward_id, x_BTKo, proj.project_in(g, False))
 
     def _keep_tokens(self, tokens: int, k_out: int, k_in: int, rank: int) -> bool:
@@ -477,6 +504,42 @@ class GradientCapture:
         finally:
             self._active = None
             rec._active = False
+
+    @contextlib.contextmanager
+    def moments(self) -> Iterator[dict[str, "LayerMoments"]]:
+        """Accumulate, over the passes run inside the block, each layer's per-feature sums of squares
+        of its raw inputs and of its output gradients (de-scaled by the record's ``loss_scale``),
+        before any projection or scaling: the two factors of a diagonal K-FAC estimate of the
+        gradient's second moment, ``E[g_ij²] ≈ E[δ_i²]·E[a_j²]`` (see :meth:`LayerMoments.second_moment`).
+        Output gradients count only inside ``record`` blocks. Cannot be nested."""
+        if self._moments is not None:
+            raise CaptureError("capture.moments() blocks cannot be nested")
+        self._moments = {n: LayerMoments(*layer_dims(m), bias=self._with_bias[n]) for n, m in self.modules.items()}
+        try:
+            yield self._moments
+        finally:
+            self._moments = None
+
+    @contextlib.contextmanager
+    def scaled(self, scales: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+        """Inside the block, every captured gradient ``g [O, I]`` of a layer in ``scales`` is that of
+        ``diag(s_out) g diag(s_in)`` (``s_out [O]``, ``s_in [I(+1)]``, the bias column last): the
+        output gradients and inputs are scaled before they are projected, so a diagonal preconditioner
+        of Kronecker form costs two elementwise products per layer. A token table's ``s_in`` is per
+        vocabulary id."""
+        for n, (s_out, s_in) in scales.items():
+            if n not in self.modules:
+                raise CaptureError(f"scales name {n!r}, which is not a captured layer")
+            n_out, n_in = layer_dims(self.modules[n])
+            n_in += self._with_bias[n]
+            if tuple(s_out.shape) != (n_out,) or tuple(s_in.shape) != (n_in,):
+                raise CaptureError(f"scales of {n}: expected s_out [{n_out}] and s_in [{n_in}], got "
+                                   f"{list(s_out.shape)} and {list(s_in.shape)}")
+        previous, self._scales = self._scales, {n: (o.float(), i.float()) for n, (o, i) in scales.items()}
+        try:
+            yield
+        finally:
+            self._scales = previous
 
     def pause(self) -> "_Pause":
         """Stop capturing until :meth:`resume` (or the end of a ``with cap.pause():`` block)."""
@@ -548,6 +611,78 @@ class GradientCapture:
                        for n, p in self.projectors.items()],
             "projector_hash": self.projector_hash,
         }
+
+
+class LayerMoments:
+    """Per-feature sums of squares of one layer's inputs (``in_sq [I(+1)]``, bias column last; a
+    token table: per-id counts) and output gradients (``out_sq [O]``), over ``tokens`` positions
+    (counted at the forward). Filled by :meth:`GradientCapture.moments`."""
+
+    def __init__(self, n_out: int, n_in: int, *, bias: bool = False):
+        self.out_sq = torch.zeros(n_out, dtype=torch.float64)
+        self.in_sq = torch.zeros(n_in + bias, dtype=torch.float64)
+        self.tokens = 0
+        self.bias = bias
+
+    def add_in(self, a_BTI: torch.Tensor) -> None:
+        sq = a_BTI.square().sum(dim=(0, 1)).double().cpu()
+        self.in_sq[:sq.numel()] += sq
+        if self.bias:
+            self.in_sq[-1] += a_BTI.shape[0] * a_BTI.shape[1]
+        self.tokens += a_BTI.shape[0] * a_BTI.shape[1]
+
+    def add_ids(self, ids_BT: torch.Tensor, padding_idx: int | None) -> None:
+        flat = ids_BT.reshape(-1)
+        if padding_idx is not None:
+            flat = flat[flat != padding_idx]
+        self.in_sq += torch.bincount(flat.cpu(), minlength=self.in_sq.numel()).double()
+        self.tokens += ids_BT.numel()
+
+    def add_out(self, g_BTO: torch.Tensor, loss_scale: float) -> None:
+        self.out_sq += g_BTO.square().sum(dim=(0, 1)).double().cpu() * loss_scale ** 2
+
+    # a tied output head: the table's rows are [d out, V in]; the head sees x (d) and ∂L/∂logits (V)
+    def add_head_in(self, x_BTD: torch.Tensor) -> None:
+        self.out_sq += x_BTD.square().sum(dim=(0, 1)).double().cpu()
+        self.tokens += x_BTD.shape[0] * x_BTD.shape[1]
+
+    def add_head_out(self, g_BTV: torch.Tensor, loss_scale: float) -> None:
+        self.in_sq += g_BTV.square().sum(dim=(0, 1)).double().cpu() * loss_scale ** 2
+
+    def second_moment(self, damping: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(R [O], C [I])`` with ``E[g_ij²] ≈ R_i·C_j`` for ``g`` the gradient of one token's loss:
+        ``R = out_sq / tokens``, ``C = in_sq / tokens``, each floored at ``damping`` times its mean
+        (a feature never seen would otherwise get an unbounded preconditioner)."""
+        n = max(self.tokens, 1)
+        r, c = self.out_sq / n, self.in_sq / n
+        return r.clamp_min(damping * float(r.mean())), c.clamp_min(damping * float(c.mean()))
+
+
+def reduce_moments(moments: dict[str, LayerMoments], device: torch.device | str = "cpu") -> None:
+    """Sum every layer's moments over the ranks of the default process group, in one all-reduce
+    (``device``: where the collective runs — the rank's GPU under NCCL). No-op without one."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not moments:
+        return
+    parts = [t for m in moments.values() for t in (m.out_sq, m.in_sq, torch.tensor([float(m.tokens)]).double())]
+    buf = torch.cat(parts).to(device)
+    dist.all_reduce(buf)
+    buf = buf.cpu()
+    at = 0
+    for m in moments.values():
+        n_out, n_in = m.out_sq.numel(), m.in_sq.numel()
+        m.out_sq, m.in_sq = buf[at:at + n_out].clone(), buf[at + n_out:at + n_out + n_in].clone()
+        m.tokens = int(round(float(buf[at + n_out + n_in])))
+        at += n_out + n_in + 1
+
+
+def _scaled_in(a_BTI: torch.Tensor, s_in: torch.Tensor, bias: bool) -> torch.Tensor:
+    """Inputs times ``s_in``; with a bias, the bias column (``s_in[-1]`` times ones) appended, to be
+    projected as a plain input of width I+1."""
+    if not bias:
+        return a_BTI * s_in
+    col = s_in[-1].expand(*a_BTI.shape[:-1], 1)
+    return torch.cat([a_BTI * s_in[:-1], col], dim=-1)
 
 
 class _Pause(contextlib.AbstractContextManager):

@@ -52,6 +52,7 @@ class RoundInputs:
     target: torch.Tensor | None = None      # [D] the target's mean-token-loss gradient
     losses: np.ndarray | None = None        # [W] mean token loss per example
     lr_eff: float = 1.0                     # η: lr / tokens per global batch
+    curvature: float | None = None          # greats' redundancy coefficient (None: η², SGD with H = I)
     batch_size: int = 1                     # GB: examples per optimizer step (greats' redundancy scope)
     seed: int = 0                           # for the random policy (already mixed with the round)
     num: int = 0                            # W (the random policy measures nothing)
@@ -79,13 +80,15 @@ def _random(x: RoundInputs) -> tuple[np.ndarray, np.ndarray]:
     return order, scores
 
 
-def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch_size: int
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch_size: int,
+                 curvature: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """GREATS greedy order of ``grads [W, D]`` and each example's marginal gain when picked.
 
     Slots of ``batch_size`` are filled in turn; within a slot the gain of a candidate is
-    ``η⟨g_i, ḡ⟩ − η² Σ_{j already in the slot} ⟨g_i, g_j⟩`` (two examples of one update interact
-    through the update; examples of different updates are treated as independent)."""
+    ``η⟨g_i, ḡ⟩ − c Σ_{j already in the slot} ⟨g_i, g_j⟩`` (two examples of one update interact
+    through the update; examples of different updates are treated as independent). ``c``
+    (``curvature``) defaults to η², GREATS' SGD step with an identity Hessian."""
+    c = lr_eff ** 2 if curvature is None else float(curvature)
     g = grads.double()
     align = lr_eff * (g @ target.double())
     remaining = torch.ones(len(g), dtype=torch.bool)
@@ -93,7 +96,7 @@ def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch
     while remaining.any():
         penalty = torch.zeros(len(g), dtype=torch.float64)
         for _ in range(min(batch_size, int(remaining.sum()))):
-            gain = torch.where(remaining, align - lr_eff ** 2 * penalty, -torch.inf)
+            gain = torch.where(remaining, align - c * penalty, -torch.inf)
             pick = int(torch.argmax(gain))
             order.append(pick)
             gains[pick] = float(gain[pick])
@@ -103,7 +106,7 @@ def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch
 
 
 def _greats(x: RoundInputs) -> tuple[np.ndarray, np.ndarray]:
-    return greats_order(x.grads, x.target, x.lr_eff, x.batch_size)
+    return greats_order(x.grads, x.target, x.lr_eff, x.batch_size, x.curvature)
 
 
 POLICIES: dict[str, tuple[Callable[[RoundInputs], tuple[np.ndarray, np.ndarray]], frozenset[str]]] = {
@@ -118,7 +121,8 @@ POLICIES: dict[str, tuple[Callable[[RoundInputs], tuple[np.ndarray, np.ndarray]]
 
 def order_window(policy: str, *, grads: torch.Tensor | None = None, target: torch.Tensor | None = None,
                  losses: np.ndarray | None = None, align: np.ndarray | None = None, lr_eff: float = 1.0,
-                 batch_size: int = 1, seed: int = 0, num: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 batch_size: int = 1, seed: int = 0, num: int | None = None, curvature: float | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """``(order [W], scores [W])``: window positions best first, and each example's score.
     ``align`` (precomputed ⟨g_i, ḡ⟩) stands in for grads/target with ``alignment``."""
     if policy not in POLICIES:
@@ -130,7 +134,7 @@ def order_window(policy: str, *, grads: torch.Tensor | None = None, target: torc
     if num is None:
         num = next((len(x) for x in (grads, losses) if x is not None), 0)
     inputs = RoundInputs(grads=grads, target=target, losses=losses, lr_eff=lr_eff, batch_size=batch_size,
-                         seed=seed, num=num)
+                         seed=seed, num=num, curvature=curvature)
     missing = [k for k in needs if getattr(inputs, k) is None]
     if missing:
         raise SelectionError(f"policy {policy!r} needs {missing} measured for the window")

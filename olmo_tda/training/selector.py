@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..capture import GradientCapture
+from ..capture.hooks import reduce_moments
 from ..config import CaptureConfig, ProjectionType, SelectionConfig, SelectionMode
 from .selection import POLICIES, SelectionLog, order_window, rewrite_order, round_stats
 
@@ -225,6 +226,23 @@ class OnlineSelector:
             grads = self._gather(grads.to(self.device)).cpu()[:len(ids)]
         return grads, losses, tokens.shape[1]
 
+    def _scales(self, moments: dict, tokens_per_batch: int
+                ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+        """``({layer: (s_out, s_in)}, h)`` from the moments summed over ranks: ``s_out_i·s_in_j =
+        1 / sqrt(v_ij)`` with ``v_ij = R_i·C_j / N``, the second moment of a batch gradient averaged over
+        N = tokens per batch when each token's gradient has second moment ``R_i·C_j`` (diagonal K-FAC;
+        exact for independent tokens) — what Adam divides by; ``h`` the mean of ``R_i·C_j`` over every
+        coordinate, the per-token Fisher diagonal's average (GREATS' isotropic curvature)."""
+        reduce_moments(moments, self.device)
+        n4 = float(tokens_per_batch) ** 0.25
+        scales, fisher, coords = {}, 0.0, 0
+        for name, m in moments.items():
+            r, c = m.second_moment(self.config.precondition_damping)
+            scales[name] = ((n4 / r.sqrt()).float(), (n4 / c.sqrt()).float())
+            fisher += float(r.sum()) * float(c.sum())
+            coords += r.numel() * c.numel()
+        return scales, fisher / max(coords, 1)
+
     def _target_gradient(self) -> torch.Tensor:
         """``[D]`` gradient of the target's mean token loss (summed over ranks' shares)."""
         tokens = self._truncate(self.target_tokens[:self.config.target_examples])
@@ -254,14 +272,33 @@ class OnlineSelector:
             stack.enter_context(untouched_training_state(self.model))
             if self.capture is not None:
                 stack.enter_context(_resumed(self.capture))
-            grads, losses, length = self._measure_window(ids, fetch) if self._needs else (None, None, 0)
-            target = self._target_gradient() if "target" in self._needs else None
+            precondition = cfg.precondition and "target" in self._needs and tokens_per_batch > 0
+            # the target pass measures the moments that give the preconditioner P; the window is then
+            # captured as P·g_i (what Adam would do with each example) and compared with the raw ḡ
+            scales, fisher, target = None, 0.0, None
+            if "target" in self._needs:
+                with self.capture.moments() if precondition else contextlib.nullcontext() as moments:
+                    target = self._target_gradient()
+                if precondition:
+                    scales, fisher = self._scales(moments, tokens_per_batch)
+            with self.capture.scaled(scales) if scales else contextlib.nullcontext():
+                grads, losses, length = self._measure_window(ids, fetch) if self._needs else (None, None, 0)
         mean_losses = None if losses is None else (losses.double() / (length - 1)).numpy()
         perm = torch.zeros(len(ids), dtype=torch.int64)
         scores = torch.zeros(len(ids), dtype=torch.float64)
         if self.rank == 0:
+            if cfg.normalize and grads is not None and target is not None:
+                # unit length per example, keeping the summed-token scale of the batch's update
+                norms = grads.double().norm(dim=1, keepdim=True)
+                grads = (grads.double() * (norms.mean() / norms.clamp_min(1e-30))).float()
+            lr_eff = lr / max(tokens_per_batch, 1)
+            # GREATS' second-order term ½Δθᵀ H Δθ of the step Δθ = η Σ g_i (g_i = P·g_i when
+            # preconditioned): H = I for plain gradients (the paper's SGD form), H = h·I with h the mean
+            # per-token Fisher diagonal for Adam-like steps (H = I would weigh P-sized steps ~N/h times
+            # too much and favour whatever is least like the picks so far)
             p, s = order_window(cfg.policy.value, grads=grads, target=target, losses=mean_losses,
-                                lr_eff=lr / max(tokens_per_batch, 1), batch_size=batch_size, num=len(ids),
+                                lr_eff=lr_eff, batch_size=batch_size, num=len(ids),
+                                curvature=lr_eff ** 2 * (fisher if scales else 1.0),
                                 seed=int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0]))
             perm, scores = torch.from_numpy(p), torch.from_numpy(np.asarray(s, dtype=np.float64))
         if self.world > 1:          # rank 0 decides; every rank applies the same order
@@ -277,7 +314,7 @@ class OnlineSelector:
         new_order = rewrite_order(np.asarray(order, dtype=np.int64), start, ids[placed], keep)
         stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores,
                             sources(ids) if sources is not None else None)
-        stats.update(policy=cfg.policy.value, mode=cfg.mode.value, seconds=time.perf_counter() - t0,
+        stats.update(policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales), seconds=time.perf_counter() - t0,
                      mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
         self._prev_scores = dict(zip(ids.tolist(), scores_np.tolist()))
         self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[placed], stats=stats)
