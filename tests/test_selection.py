@@ -64,7 +64,13 @@ def _greats_brute_force(G, target, lr, batch, curvature=None):
 
 
 @pytest.mark.parametrize("lr,batch,curvature", [(0.05, 4, None), (1.0, 3, None), (1e-6, 5, None), (0.05, 4, 0.3)])
-def test_greats_equals_its_definition(lr, batch, curvature):
+@pytest.mark.parametrize("gram", [True, False])
+def test_greats_equals_its_definition(lr, batch, curvature, gram, monkeypatch):
+    """Both routes (one Gram GEMM, or a product per pick for windows too large for it) against the
+    definition."""
+    from olmo_tda.training import selection
+    if not gram:
+        monkeypatch.setattr(selection, "GRAM_BYTES", 0)
     gen = torch.Generator().manual_seed(1)
     G = torch.randn(13, 7, generator=gen, dtype=torch.float64)
     G[5] = G[2]                                      # a duplicate: redundancy must push it apart

@@ -80,6 +80,10 @@ def _random(x: RoundInputs) -> tuple[np.ndarray, np.ndarray]:
     return order, scores
 
 
+GRAM_BYTES = 256 << 20
+"""Largest float64 Gram matrix (W² · 8 bytes) GREATS forms at once: windows up to ~5,800 examples."""
+
+
 def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch_size: int,
                  curvature: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """GREATS greedy order of ``grads [W, D]`` and each example's marginal gain when picked.
@@ -91,6 +95,9 @@ def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch
     c = lr_eff ** 2 if curvature is None else float(curvature)
     g = grads.double()
     align = lr_eff * (g @ target.double())
+    # the W×W Gram matrix in one GEMM when it fits in GRAM_BYTES (the same W²·D flops as one
+    # matrix-vector product per pick, ~5-10x faster on CPU at D of a few thousand); else per pick
+    gram = g @ g.T if len(g) ** 2 * 8 <= GRAM_BYTES else None
     remaining = torch.ones(len(g), dtype=torch.bool)
     order, gains = [], np.empty(len(g))
     while remaining.any():
@@ -101,7 +108,7 @@ def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch
             order.append(pick)
             gains[pick] = float(gain[pick])
             remaining[pick] = False
-            penalty += g @ g[pick]
+            penalty += gram[pick] if gram is not None else g @ g[pick]
     return np.asarray(order, dtype=np.int64), gains
 
 
