@@ -5,9 +5,11 @@ Legend: W examples in the window, D the concatenated projected-gradient width, G
 
 - Policies (registered by name in :data:`POLICIES`) turn what a round measured into an order of the
   window, best first, and one score per example. ``greats`` is greedy per global batch: a batch
-  slot is filled one pick at a time by the largest ``η⟨g_i, ḡ⟩ − η² Σ_{j picked in this slot}
+  slot is filled one pick at a time by the largest ``η⟨g_i, ḡ⟩ − c Σ_{j picked in this slot}
   ⟨g_i, g_j⟩`` (η = lr / tokens per global batch, the weight an example's summed-token gradient has
-  in one update; ``g`` per-example gradients, ``ḡ`` the target's mean-token gradient).
+  in one update; ``g`` per-example gradients — preconditioned by the round when
+  ``selection.precondition`` — ``ḡ`` the target's mean-token gradient; ``c`` the curvature, η² for
+  plain gradients).
 - :func:`rewrite_order` applies a round to the epoch's global order: positions before ``start``
   (already consumed) never change; ``reorder`` permutes the window in place; ``filter`` keeps the top
   ``keep_fraction`` there and moves the rest to the end of the epoch.

@@ -4,6 +4,9 @@ capture engine, order the window by the policy, rewrite the upcoming part of the
 Framework-neutral: the integration supplies the model, how to fetch an example's tokens, how to run
 the model on token ids, and where the epoch's order lives; :class:`OnlineSelector` does the rest.
 
+- greats / alignment with ``precondition``: the target pass also sums each layer's input and
+  output-gradient second moments (summed over ranks), and the window is captured already divided by
+  the Adam-like ``sqrt(v)`` they give — see :meth:`OnlineSelector._scales`.
 - Measuring never changes training: parameter ``.grad`` are set aside and put back, the model runs in
   eval mode (no dropout) and restores its mode, the RNG streams are forked; there is no optimizer.
 - With several ranks the window (and the target) is split evenly across ranks (short ranks repeat a
