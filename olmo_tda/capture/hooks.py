@@ -372,10 +372,11 @@ class GradientCapture:
                     acts_BTKi = proj.project_in(_scaled_in(a, scale[1].to(a.device), self._with_bias[name]), False)
         # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
         # re-entrant checkpointing, where they belong to the forward being backpropagated.
-        output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi))
+        output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi,
+                                     None if scale is None else scale[0]))
 
     def _on_grad(self, name: str, forward_id: int, recomputed: bool, acts_BTKi: torch.Tensor,
-                 grad: torch.Tensor) -> None:
+                 s_out: torch.Tensor | None, grad: torch.Tensor) -> None:
         rec = self._recording(name, recomputed)
         if rec is None:
             return
@@ -384,8 +385,8 @@ class GradientCapture:
             g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
             if self._moments is not None:
                 self._moments[name].add_out(g, rec.loss_scale)
-            if self._scales is not None and name in self._scales:
-                g = g * self._scales[name][0].to(g.device)
+            if s_out is not None:           # the scaling in effect at this layer's forward
+                g = g * s_out.to(g.device)
             grads_BTKo = proj.project_out(g)
             self._add(rec, name, forward_id, grads_BTKo, acts_BTKi)
 
@@ -431,19 +432,20 @@ class GradientCapture:
             x = output.detach().reshape(output.shape[0], -1, output.shape[-1]).float()
             if self._moments is not None:
                 self._moments[name].add_head_in(x)
-            if self._scales is not None and name in self._scales:
-                x = x * self._scales[name][0].to(x.device)
-            self._tied_acts[name] = (self._forward_id, proj.project_out(x))
+            scale = self._scales.get(name) if self._scales is not None else None
+            if scale is not None:
+                x = x * scale[0].to(x.device)
+            self._tied_acts[name] = (self._forward_id, proj.project_out(x), None if scale is None else scale[1])
 
     def _on_head_output(self, name: str, scale: float, module: nn.Module, args: tuple, output: Any) -> None:
         pending = self._tied_acts.pop(name, None)
         logits = getattr(output, "logits", None)
         if pending is None or pending[0] != self._forward_id or logits is None or not logits.requires_grad:
             return
-        logits.register_hook(partial(self._on_head_grad, name, pending[0], scale, pending[1]))
+        logits.register_hook(partial(self._on_head_grad, name, pending[0], scale, pending[1], pending[2]))
 
     def _on_head_grad(self, name: str, forward_id: int, scale: float, x_BTKo: torch.Tensor,
-                      grad: torch.Tensor) -> None:
+                      s_in: torch.Tensor | None, grad: torch.Tensor) -> None:
         rec = self._recording(name, False)
         if rec is None:
             return
@@ -454,8 +456,8 @@ class GradientCapture:
                 g = g * scale
             if self._moments is not None:
                 self._moments[name].add_head_out(g, rec.loss_scale)
-            if self._scales is not None and name in self._scales:
-                g = g * self._scales[name][1].to(g.device)
+            if s_in is not None:
+                g = g * s_in.to(g.device)
             self._add(rec, name, forward_id, x_BTKo, proj.project_in(g, False))
 
     def _keep_tokens(self, tokens: int, k_out: int, k_in: int, rank: int) -> bool:

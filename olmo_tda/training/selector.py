@@ -317,7 +317,8 @@ class OnlineSelector:
         new_order = rewrite_order(np.asarray(order, dtype=np.int64), start, ids[placed], keep)
         stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores,
                             sources(ids) if sources is not None else None)
-        stats.update(policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales), seconds=time.perf_counter() - t0,
+        stats.update(policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales),
+                     seconds=time.perf_counter() - t0,
                      mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
         self._prev_scores = dict(zip(ids.tolist(), scores_np.tolist()))
         self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[placed], stats=stats)
