@@ -1,6 +1,8 @@
 """Worker for tests/test_selection.py::test_two_rank_preconditioned_round_equals_one_process, run
 under ``torchrun --nproc_per_node 2`` (gloo, CPU): one preconditioned GREATS round of a tiny OLMo,
-the window and the target split across the two ranks; rank 0 saves the round's scores and order.
+the window and the target split across the two ranks, once evenly and once unevenly (the second rank
+then pads its share with repeats, which must not count in the moments); rank 0 saves each round's
+order and promoted mean score.
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 _selector_worker.py OUT
 """
@@ -18,33 +20,35 @@ from conftest import tiny_olmo
 from olmo_tda.config import SelectionConfig
 from olmo_tda.training.selector import OnlineSelector
 
-WINDOW, TARGET = 10, 4          # even splits: no padding rows (those would count twice in the moments)
+SPLITS = [(10, 4), (9, 5)]      # (window, target examples): even over 2 ranks, then uneven (padding rows)
 
 
-def round_scores(out: Path, log: Path) -> tuple[np.ndarray, float]:
+def round_scores(out: Path, log: Path, window: int = 10, target_examples: int = 4) -> tuple[np.ndarray, float]:
     """The round's new order of the window and its promoted examples' mean score, on the current
     process group (none: one process)."""
     model = tiny_olmo()
     data = torch.randint(0, 96, (24, 12), generator=torch.Generator().manual_seed(0))
-    target = torch.randint(0, 96, (TARGET, 12), generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 96, (target_examples, 12), generator=torch.Generator().manual_seed(1))
     (out / "target.txt").write_text("t\n")
-    cfg = SelectionConfig(enabled=True, every_n=1, window=WINDOW, policy="greats", target=str(out / "target.txt"),
-                          proj_dim=8, target_examples=TARGET, micro_batch=2, precondition=True)
+    cfg = SelectionConfig(enabled=True, every_n=1, window=window, policy="greats", target=str(out / "target.txt"),
+                          proj_dim=8, target_examples=target_examples, micro_batch=2, precondition=True)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=log, target_tokens=target)
     order, stats = sel.run(step=1, epoch=0, order=np.arange(24), start=4, fetch=lambda ids: data[ids], lr=0.5,
                            tokens_per_batch=48, batch_size=4)
     sel.close()
     assert stats["preconditioned"]
-    return order[4:4 + WINDOW], stats["promoted_mean_score"]
+    return order[4:4 + window], stats["promoted_mean_score"]
 
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
-    order, promoted = round_scores(out, out / "sel2")
-    gathered = [None, None]
-    dist.all_gather_object(gathered, order.tolist() + [promoted])
-    if dist.get_rank() == 0:
-        np.save(out / "two_ranks.npy", np.asarray(gathered, dtype=np.float64))
+    for window, target_examples in SPLITS:
+        order, promoted = round_scores(out, out / f"sel2-{window}", window, target_examples)
+        gathered = [None, None]
+        dist.all_gather_object(gathered, order.tolist() + [promoted])
+        if dist.get_rank() == 0:
+            np.save(out / f"two_ranks_{window}.npy", np.asarray(gathered, dtype=np.float64))
+    dist.barrier()          # leave together: a rank tearing gloo down while the other still saves can abort
     dist.destroy_process_group()
 
 

@@ -278,6 +278,34 @@ def test_scaled_capture_is_the_projection_of_the_scaled_exact_gradient():
     cap.remove()
 
 
+def test_moment_rows_count_only_the_real_rows():
+    """``cap.moment_rows(n)``: padding rows after the first ``n`` of a batch (a rank's repeats under an
+    uneven split) leave the moments exactly as a pass over the real rows alone — every layer kind:
+    Linears, the token table's lookup and its tied head — while their gradients are still captured."""
+    model = tiny_olmo(weight_tying=True)
+    ids = _ids(b=2)
+    padded = torch.cat([ids, ids[:1]])
+    cfg = CaptureConfig(proj_dim=8, seed=2, embeddings=True, exclude=["*wpe"])
+    cap = GradientCapture(model, cfg)
+    with cap.moments() as alone, cap.record(range(2)):
+        token_losses(model(ids).logits, ids).sum().backward()
+    with cap.moments() as masked, cap.moment_rows(2), cap.record(range(3)) as rec:
+        token_losses(model(padded).logits, padded).sum().backward()
+    with cap.moments() as unmasked, cap.record(range(3)):
+        token_losses(model(padded).logits, padded).sum().backward()
+    assert all(g.shape[0] == 3 for g in rec.dense().values())
+    assert any(n.endswith("wte") for n in alone)
+    for name in alone:
+        assert masked[name].tokens == alone[name].tokens
+        assert rel_err(masked[name].in_sq, alone[name].in_sq) < TOL, name
+        assert rel_err(masked[name].out_sq, alone[name].out_sq) < TOL, name
+        assert unmasked[name].tokens > alone[name].tokens          # without it the repeat would count
+    with pytest.raises(CaptureError, match="moment_rows"):
+        with cap.moment_rows(-1):
+            pass
+    cap.remove()
+
+
 def test_pause_remove_and_disabled():
     model = tiny_olmo()
     ids = _ids()

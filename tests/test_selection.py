@@ -378,7 +378,8 @@ def test_round_at_the_end_of_the_epoch_does_nothing(tmp_path):
 
 def test_two_rank_preconditioned_round_equals_one_process(tmp_path):
     """2-rank gloo: each rank measures half the window and half the target; the moments are summed
-    over ranks before the preconditioner is formed, so both ranks apply the order one process finds."""
+    over ranks before the preconditioner is formed, so both ranks apply the order one process finds —
+    also when the split is uneven and a rank's padding rows (repeats) must not count in the moments."""
     import os
     import subprocess
     import sys
@@ -391,10 +392,13 @@ def test_two_rank_preconditioned_round_equals_one_process(tmp_path):
                            str(here / "_selector_worker.py"), str(tmp_path)], capture_output=True, text=True,
                           timeout=600, env=env, cwd=here)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    two = np.load(tmp_path / "two_ranks.npy")
-    from _selector_worker import round_scores
-    (tmp_path / "one").mkdir()
-    order, promoted = round_scores(tmp_path / "one", tmp_path / "one" / "sel")
-    assert np.array_equal(two[0, :-1], two[1, :-1])                       # both ranks apply one order
-    assert np.array_equal(two[0, :-1].astype(np.int64), order)            # the one a single process finds
-    assert two[0, -1] == pytest.approx(promoted, rel=1e-4)
+    from _selector_worker import SPLITS, round_scores
+    assert any(w % 2 and t % 2 for w, t in SPLITS)                      # an uneven split is covered
+    for window, target_examples in SPLITS:
+        two = np.load(tmp_path / f"two_ranks_{window}.npy")
+        (tmp_path / f"one{window}").mkdir()
+        order, promoted = round_scores(tmp_path / f"one{window}", tmp_path / f"one{window}" / "sel",
+                                       window, target_examples)
+        assert np.array_equal(two[0, :-1], two[1, :-1])                   # both ranks apply one order
+        assert np.array_equal(two[0, :-1].astype(np.int64), order)        # the one a single process finds
+        assert two[0, -1] == pytest.approx(promoted, rel=1e-4), (window, target_examples)

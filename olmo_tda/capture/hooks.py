@@ -313,6 +313,7 @@ class GradientCapture:
         self._tied_acts: dict[str, Any] = {}
         self._scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._moments: dict[str, LayerMoments] | None = None
+        self._moment_rows: int | None = None     # only the first rows of a batch count (the rest: padding)
         unused = [o.modules for o in self.config.overrides
                   if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
         if unused:
@@ -355,7 +356,7 @@ class GradientCapture:
             ids = acts.reshape(acts.shape[0], -1)
             acts_BTKi = proj.project_ids(ids, module.padding_idx)
             if self._moments is not None:
-                self._moments[name].add_ids(ids, module.padding_idx)
+                self._moments[name].add_ids(self._counted(ids), module.padding_idx)
             if scale is not None:
                 acts_BTKi = acts_BTKi * scale[1].to(acts_BTKi.device)[ids].unsqueeze(-1)
         else:
@@ -365,7 +366,7 @@ class GradientCapture:
             with _fp32(acts.device.type):
                 a = acts.reshape(acts.shape[0], -1, acts.shape[-1]).float()
                 if self._moments is not None:
-                    self._moments[name].add_in(a)
+                    self._moments[name].add_in(self._counted(a))
                 if scale is None:
                     acts_BTKi = proj.project_in(a, self._with_bias[name])
                 else:
@@ -384,7 +385,7 @@ class GradientCapture:
         with _fp32(grad.device.type):
             g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
             if self._moments is not None:
-                self._moments[name].add_out(g, rec.loss_scale)
+                self._moments[name].add_out(self._counted(g), rec.loss_scale)
             if s_out is not None:           # the scaling in effect at this layer's forward
                 g = g * s_out.to(g.device)
             grads_BTKo = proj.project_out(g)
@@ -431,7 +432,7 @@ class GradientCapture:
         with _fp32(output.device.type):
             x = output.detach().reshape(output.shape[0], -1, output.shape[-1]).float()
             if self._moments is not None:
-                self._moments[name].add_head_in(x)
+                self._moments[name].add_head_in(self._counted(x))
             scale = self._scales.get(name) if self._scales is not None else None
             if scale is not None:
                 x = x * scale[0].to(x.device)
@@ -455,7 +456,7 @@ class GradientCapture:
             if scale != 1.0:            # the gradient w.r.t. the logits before OLMo's in-place scale_logits
                 g = g * scale
             if self._moments is not None:
-                self._moments[name].add_head_out(g, rec.loss_scale)
+                self._moments[name].add_head_out(self._counted(g), rec.loss_scale)
             if s_in is not None:
                 g = g * s_in.to(g.device)
             self._add(rec, name, forward_id, x_BTKo, proj.project_in(g, False))
@@ -521,6 +522,23 @@ class GradientCapture:
             yield self._moments
         finally:
             self._moments = None
+
+    @contextlib.contextmanager
+    def moment_rows(self, num: int) -> Iterator[None]:
+        """Inside the block (forward and backward), only the first ``num`` rows of each batch count in
+        :meth:`moments`; the rest are padding (a rank with fewer examples than the others runs as many
+        batches as they do, so collective forwards stay matched). Gradients are captured as usual."""
+        if num < 0:
+            raise CaptureError(f"moment_rows must be >= 0, got {num}")
+        previous, self._moment_rows = self._moment_rows, int(num)
+        try:
+            yield
+        finally:
+            self._moment_rows = previous
+
+    def _counted(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of a batch that count in the moments."""
+        return x if self._moment_rows is None else x[:self._moment_rows]
 
     @contextlib.contextmanager
     def scaled(self, scales: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:

@@ -190,10 +190,13 @@ class OnlineSelector:
         ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(), reduction="none")
         return ce.view(labels.shape).sum(dim=1)
 
-    def _measure(self, tokens: torch.Tensor, grads: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _measure(self, tokens: torch.Tensor, grads: bool, real: int | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``(grads [n, D] or None, summed token losses [n])`` of the rows of ``tokens`` (already
-        truncated to ``score_tokens``)."""
+        truncated to ``score_tokens``); rows from ``real`` on are padding and do not count in the
+        capture's moments."""
         tokens = tokens.to(self.device)
+        real = len(tokens) if real is None else real
         rows, losses = [], []
         for lo in range(0, len(tokens), self.micro_batch):
             chunk = tokens[lo:lo + self.micro_batch]
@@ -201,7 +204,8 @@ class OnlineSelector:
                 with torch.no_grad():
                     losses.append(self._example_losses(chunk).detach().float().cpu())
                 continue
-            with self.capture.record(np.arange(lo, lo + len(chunk))) as rec, _outputs_of(self.capture) as outs:
+            with self.capture.record(np.arange(lo, lo + len(chunk))) as rec, _outputs_of(self.capture) as outs, \
+                    self.capture.moment_rows(min(len(chunk), max(0, real - lo))):
                 per_example = self._example_losses(chunk)
                 # gradients w.r.t. the captured layers' outputs only: the capture hooks see them,
                 # and no parameter gradient is formed or accumulated (nor reduced by DDP/ZeRO hooks)
@@ -250,7 +254,7 @@ class OnlineSelector:
         """``[D]`` gradient of the target's mean token loss (summed over ranks' shares)."""
         tokens = self._truncate(self.target_tokens[:self.config.target_examples])
         rows, real = _my_rows(len(tokens), self.rank, self.world)
-        grads, _ = self._measure(tokens[rows], grads=True)
+        grads, _ = self._measure(tokens[rows], grads=True, real=real)
         total = grads[:real].double().sum(dim=0).to(self.device)
         if self.world > 1:
             dist.all_reduce(total)
