@@ -32,7 +32,7 @@ through the network. Each arm runs the same seeds (model init and base order per
 The headline keys are GREATS' (the mean over seeds); every arm's are in ``arms``.
 
     python benchmarks/selection.py --quick     # 1 seed, ~5 min on 2 cores
-    python benchmarks/selection.py             # 3 seeds, ~14 min
+    python benchmarks/selection.py             # 5 seeds, ~22 min
 """
 
 from __future__ import annotations
@@ -135,12 +135,14 @@ def run_arm(arm: str, seed: int, paths: dict[str, Path], val_tokens: torch.Tenso
         exclude = SCOPES[scope] if scope else args.exclude
         overrides += ["--tda.enabled=true", "--tda.selection.enabled=true", f"--tda.selection.policy={policy}",
                       f"--tda.selection.every_n={args.every}", f"--tda.selection.window={args.window}",
+                      f"--tda.selection.start_step={args.start_step}",
                       f"--tda.selection.target={paths['target'].parent.parent / 'target.txt'}",
                       f"--tda.selection.target_examples={args.target_examples}",
                       f"--tda.selection.proj_dim={args.proj_dim}", f"--tda.selection.score_tokens={args.score_tokens}",
                       f"--tda.selection.seed={seed}", f"--tda.selection.mode={args.mode}",
                       f"--tda.selection.keep_fraction={args.keep_fraction}",
                       f"--tda.selection.precondition={str(args.precondition).lower()}",
+                      f"--tda.selection.remove_common={str(args.remove_common).lower()}",
                       f"--tda.selection.normalize={str(args.normalize).lower()}",
                       f"--tda.selection.embeddings={str(args.embeddings and not scope).lower()}",
                       f"--tda.selection.exclude_modules=[{exclude}]"]
@@ -275,7 +277,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 seed (< 15 min on 2 cores)")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=5,
+                   help="seeds per arm (one seed's steps saved ranges over 0-0.43: 3 seeds are too few to read)")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--batch", type=int, default=16)
@@ -286,6 +289,7 @@ def main(argv=None) -> dict:
     p.add_argument("--n-val", type=int, default=256)
     p.add_argument("--every", type=int, default=10, help="selection.every_n")
     p.add_argument("--window", type=int, default=320, help="selection.window")
+    p.add_argument("--start-step", type=int, default=0, help="selection.start_step: no round before this step")
     p.add_argument("--mode", default="filter", choices=["reorder", "filter"],
                    help="selection.mode for every selecting arm (reorder was measured worse: see docs/BENCHMARKS.md)")
     p.add_argument("--keep-fraction", type=float, default=0.5, help="filter mode")
@@ -295,7 +299,10 @@ def main(argv=None) -> dict:
                    help="selection.embeddings: score the token-embedding gradient too")
     p.add_argument("--precondition", action=argparse.BooleanOptionalAction, default=True,
                    help="selection.precondition: greats/alignment score g / sqrt(v) (diagonal K-FAC second moment)")
-    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--remove-common", action=argparse.BooleanOptionalAction, default=True,
+                   help="selection.remove_common: greats/alignment score gradients projected off the window's "
+                        "mean direction")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
                    help="selection.normalize: greats/alignment compare gradients of equal length (a cosine)")
     p.add_argument("--exclude", default="",
                    help="selection.exclude_modules of the arms without a -scope, comma-separated fnmatch patterns")
@@ -347,7 +354,9 @@ def main(argv=None) -> dict:
           f"(pool {3 * args.n_each}: {args.steps * args.batch / (3 * args.n_each):.2f} epoch), rounds every "
           f"{args.every} steps over {args.window} upcoming examples ({args.mode}), scored on "
           f"{args.score_tokens or args.seq} tokens, "
-          f"k={args.proj_dim}, {'preconditioned' if args.precondition else 'raw gradients'}, {args.seeds} seed(s), "
+          f"k={args.proj_dim}, {'preconditioned' if args.precondition else 'raw gradients'}"
+          f"{', common direction removed' if args.remove_common else ''}{', cosine' if args.normalize else ''}, "
+          f"{args.seeds} seed(s), "
           f"curves averaged over the last {args.smooth} evaluations")
     print(f"{'arm':10s} {'steps_saved':>11s} {'cm_delta':>9s} {'final_delta':>11s} {'overhead':>9s} {'target@front':>12s}")
     for arm, s in summary.items():

@@ -372,6 +372,10 @@ class SelectionConfig:
     enabled: bool = False
     every_n: int = 50
     """Optimizer steps between rounds (a round runs after step every_n, 2·every_n, ...)."""
+    start_step: int = 0
+    """No round before this optimizer step (0 = from the first ``every_n``). Early in training the
+    score is right about the next step but not about the run: at the byte/unigram stage shuffled
+    text helps the next step as much as the target does."""
     window: int = 512
     """Upcoming examples (global, over all ranks) rescored per round; positions already consumed
     are never touched."""
@@ -403,10 +407,14 @@ class SelectionConfig:
     the diagonal K-FAC estimate ``E[δ_i²]·E[a_j²]`` measured on the round's target pass (see
     docs/ARCHITECTURE.md). Without it a few high-variance directions (early in training: the byte or
     token frequencies every text shares) dominate the score."""
-    normalize: bool = False
-    """greats / alignment: give every window gradient the same length (the window's mean) before
-    scoring, so the score is a cosine: long or high-loss examples no longer win by their gradient's
-    size alone."""
+    remove_common: bool = True
+    """greats / alignment: project every window gradient off the direction of the window's mean
+    gradient before scoring. That direction is what every candidate would do alike, so it cannot tell
+    them apart, but its coefficient follows each example's loss and dominated the ranking."""
+    normalize: bool = True
+    """greats / alignment: give every window gradient the same length (the window's mean, after
+    ``remove_common``) before scoring, so the score is a cosine: long or high-loss examples no longer
+    win by their gradient's size alone."""
     precondition_damping: float = 0.01
     """Floor of each second-moment factor, as a fraction of its mean (features the target never
     exercised would otherwise be weighted without bound)."""
@@ -419,6 +427,7 @@ class SelectionConfig:
         _check_types(self, path)
         _check(self.every_n >= 1, f"{path}.every_n", f"must be >= 1, got {self.every_n}")
         _check(self.window >= 1, f"{path}.window", f"must be >= 1, got {self.window}")
+        _check(self.start_step >= 0, f"{path}.start_step", f"must be >= 0, got {self.start_step}")
         _check(0.0 < self.keep_fraction <= 1.0, f"{path}.keep_fraction", f"must be in (0, 1], got {self.keep_fraction}")
         _check(self.target_examples >= 1, f"{path}.target_examples", f"must be >= 1, got {self.target_examples}")
         _check(self.proj_dim >= 0, f"{path}.proj_dim", f"must be >= 0 (0 = exact), got {self.proj_dim}")

@@ -186,8 +186,12 @@ def _diag_preconditioner(model, names, tokens, tokens_per_batch, damping):
     return out, float(torch.cat(fisher).mean())
 
 
-@pytest.mark.parametrize("precondition", [False, True])
-def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path, precondition):
+@pytest.mark.parametrize("precondition,common", [(False, False), (True, False), (True, True)])
+def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path, precondition, common):
+    """The round's GREATS order equals the one computed from exact (vmap) per-example gradients:
+    raw; preconditioned by P from the target's moments; and (the default) preconditioned, projected
+    off the window's mean direction and cosine-normalized. Weights, optimizer state, gradients and
+    RNG are left exactly as they were."""
     torch.manual_seed(0)
     model = tiny_olmo(attention_dropout=0.1, residual_dropout=0.1)     # dropout: eval mode must be used
     model.train()
@@ -200,7 +204,8 @@ def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path, 
               {n: p.grad.clone() for n, p in model.named_parameters()}, torch.get_rng_state())
     (tmp_path / "target.txt").write_text("target texts (the round gets them as tokens)\n")
     cfg = SelectionConfig(enabled=True, every_n=1, window=10, policy="greats", target=str(tmp_path / "target.txt"),
-                          proj_dim=0, target_examples=5, micro_batch=3, precondition=precondition)
+                          proj_dim=0, target_examples=5, micro_batch=3, precondition=precondition,
+                          remove_common=common, normalize=common)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
                          target_tokens=target)
     order = np.arange(24)
@@ -230,11 +235,19 @@ def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path, 
                       for n in names], dim=1)
     tgt = torch.cat([exact_t[f"{n}.weight"].reshape(5, -1) for n in names], dim=1).double().sum(0) / (5 * 11)
     eta = 0.5 / 48
+    scaled_only, _ = greats_order(flat, tgt, eta, 4, curvature=eta ** 2 * fisher)
+    if common:
+        mean = flat.mean(0)
+        flat = flat - torch.outer(flat @ mean, mean) / mean.dot(mean)      # off the window's mean direction
+        norms = flat.norm(dim=1, keepdim=True)
+        flat = flat * norms.mean() / norms                                 # equal lengths
     want, _ = greats_order(flat, tgt, eta, 4, curvature=eta ** 2 * fisher)
     assert stats["preconditioned"] is precondition
     if precondition:                    # the scaling changes the order here (the check can fail)
         raw = torch.cat([exact[f"{n}.weight"].reshape(10, -1) for n in names], dim=1).double()
         assert not np.array_equal(greats_order(raw, tgt, eta, 4)[0], want)
+    if common:                          # and so do the common direction and the lengths
+        assert not np.array_equal(scaled_only, want)
     logged = np.load(tmp_path / "sel" / json.loads((tmp_path / "sel" / "rounds.jsonl").read_text())["file"])
     assert np.array_equal(logged, new[6:16]) and np.array_equal(new[6:16], 6 + want)
     assert stats["examples_rescored"] == 10 and stats["seconds"] > 0
@@ -249,7 +262,7 @@ def test_round_with_embeddings_scores_the_exact_table_gradient(tmp_path):
     (tmp_path / "target.txt").write_text("t\n")
     cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment", target=str(tmp_path / "target.txt"),
                           proj_dim=0, target_examples=4, micro_batch=5, embeddings=True, exclude_modules=["*wpe"],
-                          precondition=False)
+                          precondition=False, remove_common=False, normalize=False)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
                          target_tokens=target)
     assert "transformer.wte" in sel.capture.modules and "transformer.wpe" not in sel.capture.modules
@@ -280,7 +293,7 @@ def test_preconditioned_round_scales_a_tied_token_table_by_its_own_moments(tmp_p
     (tmp_path / "target.txt").write_text("t\n")
     cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment", target=str(tmp_path / "target.txt"),
                           proj_dim=0, target_examples=4, micro_batch=5, embeddings=True, precondition=True,
-                          exclude_modules=["*wpe"])
+                          exclude_modules=["*wpe"], remove_common=False, normalize=False)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
                          target_tokens=target)
     new, stats = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
@@ -325,7 +338,8 @@ def test_normalized_alignment_is_a_cosine(tmp_path):
     data, target = _tokens(16), _tokens(4, seed=1)
     (tmp_path / "target.txt").write_text("t\n")
     cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment", target=str(tmp_path / "target.txt"),
-                          proj_dim=0, target_examples=4, micro_batch=5, precondition=False, normalize=True)
+                          proj_dim=0, target_examples=4, micro_batch=5, precondition=False, normalize=True,
+                          remove_common=False)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
                          target_tokens=target)
     new, _ = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
@@ -374,6 +388,18 @@ def test_round_at_the_end_of_the_epoch_does_nothing(tmp_path):
     new, _ = sel.run(step=4, epoch=0, order=np.arange(8), start=6, fetch=lambda ids: data[ids], lr=1.0,
                      tokens_per_batch=1, batch_size=1)      # a window cut short by the epoch's end
     assert sorted(new[6:].tolist()) == [6, 7]
+
+
+def test_rounds_start_at_start_step(tmp_path):
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=10, window=4, policy="loss", start_step=25)
+    sel = OnlineSelector(cfg, tiny_olmo(), forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel")
+    assert [s for s in range(0, 61) if sel.due(s)] == [30, 40, 50, 60]
+    sel.config.start_step = 0
+    assert [s for s in range(0, 31) if sel.due(s)] == [10, 20, 30]
+    sel.close()
+    with pytest.raises(ConfigError, match="tda.selection.start_step"):
+        TDAConfig.from_dict({"selection": {"start_step": -1}})
 
 
 def test_two_rank_preconditioned_round_equals_one_process(tmp_path):

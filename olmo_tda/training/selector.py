@@ -171,7 +171,8 @@ class OnlineSelector:
         self._prev_scores: dict[int, float] | None = None
 
     def due(self, step: int) -> bool:
-        return self.config.enabled and step > 0 and step % self.config.every_n == 0
+        cfg = self.config
+        return cfg.enabled and step > 0 and step >= cfg.start_step and step % cfg.every_n == 0
 
     def close(self) -> None:
         if self.capture is not None:
@@ -294,6 +295,10 @@ class OnlineSelector:
         perm = torch.zeros(len(ids), dtype=torch.int64)
         scores = torch.zeros(len(ids), dtype=torch.float64)
         if self.rank == 0:
+            if cfg.remove_common and grads is not None and target is not None and len(grads) > 1:
+                # what every candidate does alike cannot tell them apart, yet its coefficient (which
+                # follows each example's loss, not its content) dominated the ranking
+                grads = remove_common_direction(grads)
             if cfg.normalize and grads is not None and target is not None:
                 # unit length per example, keeping the summed-token scale of the batch's update
                 norms = grads.double().norm(dim=1, keepdim=True)
@@ -352,3 +357,15 @@ def _resumed(capture: GradientCapture) -> Iterator[None]:
         yield
     finally:
         capture.pause()
+
+
+def remove_common_direction(grads: torch.Tensor) -> torch.Tensor:
+    """``[W, D]`` rows projected off the unit direction of their mean: ``g_i − ⟨g_i, u⟩ u``, ``u = ḡ/‖ḡ‖``."""
+    g = grads.double()
+    mean = g.mean(dim=0)
+    norm = float(mean.norm())
+    if norm == 0.0:
+        return grads
+    unit = mean / norm
+    return (g - (g @ unit)[:, None] * unit[None, :]).to(grads.dtype)
+
