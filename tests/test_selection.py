@@ -243,6 +243,7 @@ def test_round_measures_exact_gradients_and_leaves_training_untouched(tmp_path, 
         flat = flat * norms.mean() / norms                                 # equal lengths
     want, _ = greats_order(flat, tgt, eta, 4, curvature=eta ** 2 * fisher)
     assert stats["preconditioned"] is precondition
+    assert stats["common_removed"] is common and stats["normalized"] is common
     if precondition:                    # the scaling changes the order here (the check can fail)
         raw = torch.cat([exact[f"{n}.weight"].reshape(10, -1) for n in names], dim=1).double()
         assert not np.array_equal(greats_order(raw, tgt, eta, 4)[0], want)

@@ -294,12 +294,13 @@ class OnlineSelector:
         mean_losses = None if losses is None else (losses.double() / (length - 1)).numpy()
         perm = torch.zeros(len(ids), dtype=torch.int64)
         scores = torch.zeros(len(ids), dtype=torch.float64)
+        compared = grads is not None and target is not None        # greats / alignment
         if self.rank == 0:
-            if cfg.remove_common and grads is not None and target is not None and len(grads) > 1:
+            if cfg.remove_common and compared and len(grads) > 1:
                 # what every candidate does alike cannot tell them apart, yet its coefficient (which
                 # follows each example's loss, not its content) dominated the ranking
                 grads = remove_common_direction(grads)
-            if cfg.normalize and grads is not None and target is not None:
+            if cfg.normalize and compared:
                 # unit length per example, keeping the summed-token scale of the batch's update
                 norms = grads.double().norm(dim=1, keepdim=True)
                 grads = (grads.double() * (norms.mean() / norms.clamp_min(1e-30))).float()
@@ -327,7 +328,8 @@ class OnlineSelector:
         stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores,
                             sources(ids) if sources is not None else None)
         stats.update(policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales),
-                     seconds=time.perf_counter() - t0,
+                     common_removed=bool(cfg.remove_common and compared and len(ids) > 1),
+                     normalized=bool(cfg.normalize and compared), seconds=time.perf_counter() - t0,
                      mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
         self._prev_scores = dict(zip(ids.tolist(), scores_np.tolist()))
         self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[placed], stats=stats)
