@@ -17,9 +17,12 @@ reached them would train on its own rejects; the script refuses such a setting).
 Arms: ``none`` (plain OLMo order, ``tda.enabled: false``) and ``random``, ``loss``, ``gradnorm``,
 ``alignment``, ``greats`` (``tda.selection`` rounds every ``--every`` steps over the next ``--window``
 examples; ``--mode filter`` by default, keeping half of each window — the random arm too, so it is
-the control for "which half"), and ``alignment-head``, ``greats-head``: the same policies scored on
+the control for "which half"), ``alignment-head``, ``greats-head``: the same policies scored on
 the output head's gradient only (``exclude_modules`` = every block), whose round runs no backward
-through the network. Each arm runs the same seeds (model init and base order per seed).
+through the network, and ``alignment-sampled``, ``greats-sampled``: rounds that measure only
+``--sample`` (32) of the window's examples (``selection.measure``) and score every other example as
+the mean of its source's measured ones — here the three sources are pure, the best case for that.
+Each arm runs the same seeds (model init and base order per seed).
 
 - ``steps_saved_frac`` = 1 − (first step at which the arm's validation loss reaches the ``none``
   arm's final one, linearly interpolated between evaluations) / the ``none`` arm's steps; 0 when
@@ -29,7 +32,8 @@ through the network. Each arm runs the same seeds (model init and base order per
   rounds (converted to steps by this run's median step time) cost what the ``none`` arm's steps cost,
   minus the ``none`` arm's final loss (negative = better).
 
-The headline keys are GREATS' (the mean over seeds); every arm's are in ``arms``.
+The headline keys are ``greats-sampled``'s (the mean over seeds; ``greats``' when that arm is not
+run); every arm's are in ``arms``.
 
     python benchmarks/selection.py --quick     # 1 seed, ~5 min on 2 cores
     python benchmarks/selection.py             # 5 seeds, ~22 min
@@ -54,10 +58,12 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ["none", "random", "loss", "gradnorm", "alignment", "greats", "alignment-head", "greats-head"]
-SCOPES = {"head": "transformer.blocks.*"}
+ARMS = ["none", "random", "loss", "gradnorm", "alignment", "greats", "alignment-head", "greats-head",
+        "alignment-sampled", "greats-sampled"]
+SCOPES = {"head": "transformer.blocks.*", "sampled": None}
 """Arm suffixes: ``greats-head`` scores with the output head's gradient only (every block excluded),
-so a round's backward stops at the logits."""
+so a round's backward stops at the logits; ``greats-sampled`` measures only ``--sample`` examples of
+each window (``selection.measure``) and scores the rest by their source's mean."""
 _CODE_MODULES = ["argparse", "collections", "dataclasses", "difflib", "enum", "functools", "inspect", "json",
                  "logging", "pathlib", "pprint", "shutil", "statistics", "string", "tempfile", "textwrap",
                  "threading", "typing", "unittest", "zipfile", "tarfile", "csv", "calendar", "configparser",
@@ -132,19 +138,21 @@ def run_arm(arm: str, seed: int, paths: dict[str, Path], val_tokens: torch.Tenso
         overrides.append("--tda.enabled=false")
     else:
         policy, _, scope = arm.partition("-")
-        exclude = SCOPES[scope] if scope else args.exclude
+        exclude = SCOPES[scope] if scope == "head" else args.exclude
+        measure = args.sample if scope == "sampled" else args.measure
         overrides += ["--tda.enabled=true", "--tda.selection.enabled=true", f"--tda.selection.policy={policy}",
                       f"--tda.selection.every_n={args.every}", f"--tda.selection.window={args.window}",
                       f"--tda.selection.start_step={args.start_step}",
                       f"--tda.selection.target={paths['target'].parent.parent / 'target.txt'}",
                       f"--tda.selection.target_examples={args.target_examples}",
                       f"--tda.selection.proj_dim={args.proj_dim}", f"--tda.selection.score_tokens={args.score_tokens}",
+                      f"--tda.selection.measure={measure}",
                       f"--tda.selection.seed={seed}", f"--tda.selection.mode={args.mode}",
                       f"--tda.selection.keep_fraction={args.keep_fraction}",
                       f"--tda.selection.precondition={str(args.precondition).lower()}",
                       f"--tda.selection.remove_common={str(args.remove_common).lower()}",
                       f"--tda.selection.normalize={str(args.normalize).lower()}",
-                      f"--tda.selection.embeddings={str(args.embeddings and not scope).lower()}",
+                      f"--tda.selection.embeddings={str(args.embeddings and scope != 'head').lower()}",
                       f"--tda.selection.exclude_modules=[{exclude}]"]
     cfg, tda = load_configs(ROOT / "configs" / "demo_tiny.yaml", overrides)
     curve, step_s, round_s = [], [], {}
@@ -249,7 +257,8 @@ def summarize(results: dict[str, list[dict]], steps: int, smooth: int = 1) -> di
                     "final_delta": float(np.mean(finals)), "selection_overhead": float(np.mean(overhead)),
                     "front_target_frac": (float(np.mean([r["front_target_frac"] for r in runs]))
                                           if runs[0]["front_target_frac"] is not None else None),
-                    "per_seed_steps_saved": [round(x, 4) for x in saved]}
+                    "per_seed_steps_saved": [round(x, 4) for x in saved],
+                    "per_seed_compute_matched": [round(x, 4) for x in matched]}
     return out
 
 
@@ -306,6 +315,9 @@ def main(argv=None) -> dict:
                    help="selection.normalize: greats/alignment compare gradients of equal length (a cosine)")
     p.add_argument("--exclude", default="",
                    help="selection.exclude_modules of the arms without a -scope, comma-separated fnmatch patterns")
+    p.add_argument("--measure", type=int, default=0,
+                   help="selection.measure: window examples measured per round (0 = all)")
+    p.add_argument("--sample", type=int, default=32, help="selection.measure of the -sampled arms")
     p.add_argument("--score-tokens", type=int, default=0, help="0 = all (16 scored noticeably worse)")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--smooth", type=int, default=3,
@@ -363,7 +375,7 @@ def main(argv=None) -> dict:
         front = "-" if s["front_target_frac"] is None else f"{s['front_target_frac']:.2f}"
         print(f"{arm:10s} {s['steps_saved_frac']:11.3f} {s['compute_matched_delta']:+9.4f} {s['final_delta']:+11.4f} "
               f"{s['selection_overhead']:9.2f} {front:>12s}")
-    headline = "greats" if "greats" in summary else arms[-1]
+    headline = next((a for a in ("greats-sampled", "greats") if a in summary), arms[-1])
     head = summary[headline]
     result = {"benchmark": "selection", "steps_saved_frac": round(head["steps_saved_frac"], 4),
               "compute_matched_delta": round(head["compute_matched_delta"], 5), "headline_arm": headline,

@@ -401,6 +401,13 @@ class SelectionConfig:
     """Projection width per side of the gradients a round compares (0 = exact)."""
     score_tokens: int = 0
     """Score each example on its first n tokens only (0 = all): a cheaper, approximate round."""
+    measure: int = 0
+    """Measure only this many of the window's examples per round (0 = all), drawn at random and spread
+    over the data sources in proportion; every other example is scored as the mean of the measured,
+    already transformed gradients (or losses) of its source (of all measured ones when the source is
+    unknown): its expected score. A round then costs ``measure`` forward/backward passes instead of
+    ``window``, which is what lets the selection pay for itself at equal compute; it ranks sources, not
+    the examples inside a source it did not measure."""
     precondition: bool = True
     """greats / alignment: score what the optimizer would do with each example, not its raw gradient:
     every window gradient is divided, coordinate by coordinate, by an Adam-like ``sqrt(v)``, with ``v``
@@ -432,6 +439,7 @@ class SelectionConfig:
         _check(self.target_examples >= 1, f"{path}.target_examples", f"must be >= 1, got {self.target_examples}")
         _check(self.proj_dim >= 0, f"{path}.proj_dim", f"must be >= 0 (0 = exact), got {self.proj_dim}")
         _check(self.score_tokens >= 0, f"{path}.score_tokens", f"must be >= 0 (0 = all), got {self.score_tokens}")
+        _check(self.measure >= 0, f"{path}.measure", f"must be >= 0 (0 = the whole window), got {self.measure}")
         _check(self.score_tokens != 1, f"{path}.score_tokens", "needs at least 2 tokens (one next-token loss)")
         _check(self.precondition_damping > 0, f"{path}.precondition_damping",
                f"must be > 0, got {self.precondition_damping}")

@@ -356,6 +356,90 @@ def test_normalized_alignment_is_a_cosine(tmp_path):
     sel.close()
 
 
+@pytest.mark.parametrize("policy", ["greats", "alignment"])
+def test_a_measured_sample_scores_the_rest_by_their_source(tmp_path, policy):
+    """``measure: 6`` of a 12-example window from 3 sources: only 6 examples are forwarded; with
+    exact gradients of those 6 (off their mean direction, equal lengths), every other example is
+    scored as its source's mean measured row (greats) or mean score (alignment)."""
+    torch.manual_seed(0)
+    model = tiny_olmo()
+    data, target = _tokens(16), _tokens(4, seed=1)
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy=policy, target=str(tmp_path / "target.txt"),
+                          proj_dim=0, target_examples=4, micro_batch=4, precondition=False, measure=6)
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
+                         target_tokens=target)
+    label = {i: "abc"[i % 3] if i < 10 else "c" for i in range(16)}      # sources of 4, 3 and 5 examples
+    fetched = []
+
+    def fetch(ids):
+        fetched.extend(ids.tolist())
+        return data[ids]
+
+    new, stats = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=fetch, lr=0.1, tokens_per_batch=48,
+                         batch_size=4, sources=lambda ids: [label[int(i)] for i in ids])
+    assert len(fetched) == 6 and stats["examples_measured"] == 6 and stats["examples_rescored"] == 12
+    window = np.arange(2, 14)
+    groups = [label[int(i)] for i in window]
+    counts = {g: sum(label[i] == g for i in fetched) for g in "abc"}
+    assert all(abs(counts[g] - 6 * groups.count(g) / 12) < 1 for g in "abc"), counts       # in proportion
+    measured = np.sort(np.asarray(fetched)) - 2
+    model.eval()
+    names = list(sel.capture.modules)
+    exact, exact_t = exact_per_example_grads(model, data[window]), exact_per_example_grads(model, target)
+    g = torch.cat([exact[f"{n}.weight"].reshape(12, -1) for n in names], dim=1).double()
+    t = torch.cat([exact_t[f"{n}.weight"].reshape(4, -1) for n in names], dim=1).double().sum(0) / (4 * 11)
+    m = g[measured]
+    mean = m.mean(0)
+    m = m - torch.outer(m @ mean, mean) / mean.dot(mean)
+    m = m * m.norm(dim=1, keepdim=True).mean() / m.norm(dim=1, keepdim=True)
+    by_source = {s: [k for k, i in enumerate(measured) if groups[i] == s] for s in "abc"}
+    eta = 0.1 / 48
+    if policy == "greats":
+        rows = torch.stack([m[list(measured).index(i)] if i in measured else m[by_source[groups[i]]].mean(0)
+                            for i in range(12)])
+        want, _ = greats_order(rows, t, eta, 4, curvature=eta ** 2)
+    else:
+        score = (m @ t).numpy()
+        full = np.array([score[list(measured).index(i)] if i in measured else score[by_source[groups[i]]].mean()
+                         for i in range(12)])
+        want = np.argsort(-full, kind="stable")
+    assert np.array_equal(new[2:14], 2 + want)
+    full_cfg = SelectionConfig(**{**cfg.__dict__, "measure": 0})
+    every = OnlineSelector(full_cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "all",
+                           target_tokens=target)
+    model.train()
+    all_new, _ = every.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
+                           tokens_per_batch=48, batch_size=4)
+    assert not np.array_equal(all_new, new)         # the sample made a difference (the check can fail)
+    sel.close()
+    every.close()
+
+
+def test_measured_sample_is_proportional_and_reproducible():
+    from olmo_tda.training.selector import impute_rows, measured_sample
+
+    groups = ["a"] * 50 + ["b"] * 30 + ["c"] * 20
+    for seed in range(20):
+        s = measured_sample(100, 17, groups, seed)
+        assert len(s) == 17 and np.array_equal(s, np.unique(s))
+        for g, n in (("a", 50), ("b", 30), ("c", 20)):
+            assert abs(sum(groups[i] == g for i in s) - 17 * n / 100) < 1
+        assert np.array_equal(s, measured_sample(100, 17, groups, seed))
+    assert not np.array_equal(measured_sample(100, 17, groups, 0), measured_sample(100, 17, groups, 1))
+    assert np.array_equal(measured_sample(10, 0, None, 0), np.arange(10))
+    assert np.array_equal(measured_sample(10, 12, None, 0), np.arange(10))
+    assert len(measured_sample(10, 4, None, 0)) == 4
+    rows = torch.tensor([[1.0, 0.0], [3.0, 2.0], [5.0, 4.0]])
+    out = impute_rows(rows, np.array([0, 1, 2]), 6, ["x", "y", "x", "y", "x", "z"])
+    assert torch.equal(out[:3], rows) and torch.equal(out[3], rows[1])         # y: its one measured row
+    assert torch.equal(out[4], torch.tensor([3.0, 2.0]))                        # x: the mean of rows 0 and 2
+    assert torch.equal(out[5], rows.mean(0))                                    # z: none measured -> all
+    assert torch.equal(impute_rows(rows, np.array([0, 1, 2]), 4, None)[3], rows.mean(0))
+    with pytest.raises(ConfigError, match="tda.selection.measure"):
+        TDAConfig.from_dict({"selection": {"measure": -1}})
+
+
 def test_capture_scales_and_moments_refuse_bad_input():
     from olmo_tda.capture import GradientCapture, CaptureError
     from olmo_tda.config import CaptureConfig
@@ -406,7 +490,8 @@ def test_rounds_start_at_start_step(tmp_path):
 def test_two_rank_preconditioned_round_equals_one_process(tmp_path):
     """2-rank gloo: each rank measures half the window and half the target; the moments are summed
     over ranks before the preconditioner is formed, so both ranks apply the order one process finds —
-    also when the split is uneven and a rank's padding rows (repeats) must not count in the moments."""
+    also when the split is uneven and a rank's padding rows (repeats) must not count in the moments,
+    and when only a sample of the window is measured."""
     import os
     import subprocess
     import sys
@@ -420,12 +505,12 @@ def test_two_rank_preconditioned_round_equals_one_process(tmp_path):
                           timeout=600, env=env, cwd=here)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     from _selector_worker import SPLITS, round_scores
-    assert any(w % 2 and t % 2 for w, t in SPLITS)                      # an uneven split is covered
-    for window, target_examples in SPLITS:
-        two = np.load(tmp_path / f"two_ranks_{window}.npy")
-        (tmp_path / f"one{window}").mkdir()
-        order, promoted = round_scores(tmp_path / f"one{window}", tmp_path / f"one{window}" / "sel",
-                                       window, target_examples)
+    assert any(w % 2 and t % 2 for w, t, _ in SPLITS) and any(m for *_, m in SPLITS)   # uneven; sampled
+    for k, (window, target_examples, measure) in enumerate(SPLITS):
+        two = np.load(tmp_path / f"two_ranks_{k}.npy")
+        (tmp_path / f"one{k}").mkdir()
+        order, promoted = round_scores(tmp_path / f"one{k}", tmp_path / f"one{k}" / "sel", window, target_examples,
+                                       measure)
         assert np.array_equal(two[0, :-1], two[1, :-1])                   # both ranks apply one order
         assert np.array_equal(two[0, :-1].astype(np.int64), order)        # the one a single process finds
         assert two[0, -1] == pytest.approx(promoted, rel=1e-4), (window, target_examples)

@@ -405,13 +405,15 @@ class DeepSpeedSelection:
     """
 
     def __init__(self, engine: Any, config: Any, *, order: Any, fetch: Callable, forward: Callable, seq_len: int,
-                 log_folder: str | Path, target_tokens: torch.Tensor | None = None, pause: tuple = ()):
+                 log_folder: str | Path, target_tokens: torch.Tensor | None = None, pause: tuple = (),
+                 sources: Callable[[np.ndarray], list[str]] | None = None):
         from ..training.selector import OnlineSelector
 
         self.engine = engine
         self.order = order
         self.fetch = fetch
         self.seq_len = seq_len
+        self.sources = sources          # ids -> data-source names: per-source stats, and what `measure` fills in by
         self.selector = OnlineSelector(config, engine.module, forward=forward, log_folder=log_folder,
                                        target_tokens=target_tokens, micro_batch=engine.train_micro_batch_size_per_gpu(),
                                        device=engine.device, pause=pause)
@@ -435,7 +437,8 @@ class DeepSpeedSelection:
         epoch, start = divmod(step * self.per_step, self.order.num)
         new_order, stats = self.selector.run(step=step, epoch=epoch, order=self.order.epoch_order(epoch), start=start,
                                              fetch=self.fetch, lr=float(self.engine.get_lr()[0]),
-                                             tokens_per_batch=self.per_step * self.seq_len, batch_size=self.per_step)
+                                             tokens_per_batch=self.per_step * self.seq_len, batch_size=self.per_step,
+                                             sources=self.sources)
         if new_order is not None:
             self.order.set_epoch_order(epoch, new_order)
         return stats

@@ -7,6 +7,8 @@ the model on token ids, and where the epoch's order lives; :class:`OnlineSelecto
 - greats / alignment with ``precondition``: the target pass also sums each layer's input and
   output-gradient second moments (summed over ranks), and the window is captured already divided by
   the Adam-like ``sqrt(v)`` they give — see :meth:`OnlineSelector._scales`.
+- ``measure: m`` (< window): only a random, source-proportional sample of m window examples is
+  measured; every other one is scored from its source's measured rows (see :func:`impute_rows`).
 - Measuring never changes training: parameter ``.grad`` are set aside and put back, the model runs in
   eval mode (no dropout) and restores its mode, the RNG streams are forked; there is no optimizer.
 - With several ranks the window (and the target) is split evenly across ranks (short ranks repeat a
@@ -274,6 +276,9 @@ class OnlineSelector:
         ids = np.asarray(order[start:start + cfg.window], dtype=np.int64)
         if len(ids) == 0:
             return None, {}
+        groups = sources(ids) if sources is not None else None
+        round_seed = int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0])
+        sample = measured_sample(len(ids), cfg.measure if self._needs else 0, groups, round_seed)
         with contextlib.ExitStack() as stack:
             for other in self._pause:
                 stack.enter_context(other.pause())
@@ -290,7 +295,7 @@ class OnlineSelector:
                 if precondition:
                     scales, fisher = self._scales(moments, tokens_per_batch)
             with self.capture.scaled(scales) if scales else contextlib.nullcontext():
-                grads, losses, length = self._measure_window(ids, fetch) if self._needs else (None, None, 0)
+                grads, losses, length = self._measure_window(ids[sample], fetch) if self._needs else (None, None, 0)
         mean_losses = None if losses is None else (losses.double() / (length - 1)).numpy()
         perm = torch.zeros(len(ids), dtype=torch.int64)
         scores = torch.zeros(len(ids), dtype=torch.float64)
@@ -309,10 +314,22 @@ class OnlineSelector:
             # preconditioned): H = I for plain gradients (the paper's SGD form), H = h·I with h the mean
             # per-token Fisher diagonal for Adam-like steps (H = I would weigh P-sized steps ~N/h times
             # too much and favour whatever is least like the picks so far)
-            p, s = order_window(cfg.policy.value, grads=grads, target=target, losses=mean_losses,
-                                lr_eff=lr_eff, batch_size=batch_size, num=len(ids),
-                                curvature=lr_eff ** 2 * (fisher if scales else 1.0),
-                                seed=int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0]))
+            kw = dict(lr_eff=lr_eff, batch_size=batch_size, curvature=lr_eff ** 2 * (fisher if scales else 1.0),
+                      seed=round_seed)
+            if len(sample) == len(ids):
+                p, s = order_window(cfg.policy.value, grads=grads, target=target, losses=mean_losses,
+                                    num=len(ids), **kw)
+            elif cfg.policy.value == "greats":
+                # the unmeasured stand in as their source's mean measured gradient: the expected
+                # alignment, and the redundancy of picking more of that source
+                p, s = order_window("greats", grads=impute_rows(grads, sample, len(ids), groups), target=target,
+                                    num=len(ids), **kw)
+            else:       # a per-example score: each unmeasured example gets its source's mean score
+                _, s = order_window(cfg.policy.value, grads=grads, target=target, losses=mean_losses,
+                                    num=len(sample), **kw)
+                s = impute_rows(torch.as_tensor(np.asarray(s, dtype=np.float64))[:, None], sample, len(ids),
+                                groups)[:, 0].numpy()
+                p = np.argsort(-s, kind="stable")
             perm, scores = torch.from_numpy(p), torch.from_numpy(np.asarray(s, dtype=np.float64))
         if self.world > 1:          # rank 0 decides; every rank applies the same order
             for t in (perm, scores):
@@ -325,9 +342,9 @@ class OnlineSelector:
         if keep < len(ids):         # filter: the kept examples keep their relative order (batches stay mixed)
             placed = np.concatenate([np.sort(perm_np[:keep]), perm_np[keep:]])
         new_order = rewrite_order(np.asarray(order, dtype=np.int64), start, ids[placed], keep)
-        stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores,
-                            sources(ids) if sources is not None else None)
-        stats.update(policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales),
+        stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores, groups)
+        stats.update(examples_measured=int(len(sample)) if self._needs else 0,
+                     policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales),
                      common_removed=bool(cfg.remove_common and compared and len(ids) > 1),
                      normalized=bool(cfg.normalize and compared), seconds=time.perf_counter() - t0,
                      mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
@@ -371,3 +388,42 @@ def remove_common_direction(grads: torch.Tensor) -> torch.Tensor:
     unit = mean / norm
     return (g - (g @ unit)[:, None] * unit[None, :]).to(grads.dtype)
 
+
+def measured_sample(num: int, measure: int, groups: list[str] | None, seed: int) -> np.ndarray:
+    """Sorted window positions a round measures: all ``num`` when ``measure`` is 0 or covers the
+    window, else ``measure`` drawn at random, each source getting its share of them to within one
+    (systematic sampling over a random order, with a random phase per source)."""
+    if not measure or measure >= num:
+        return np.arange(num)
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(num)
+    if groups is None:
+        return np.sort(perm[:measure])
+    names = sorted(set(groups))
+    size = {g: groups.count(g) for g in names}
+    phase = dict(zip(names, rng.random(len(names))))
+    seen = dict.fromkeys(names, 0)
+    key = np.empty(num)
+    for i in perm:
+        g = groups[i]
+        key[i] = (seen[g] + phase[g]) / size[g]
+        seen[g] += 1
+    return np.sort(perm[np.argsort(key[perm], kind="stable")[:measure]])
+
+
+def impute_rows(rows: torch.Tensor, measured: np.ndarray, num: int, groups: list[str] | None) -> torch.Tensor:
+    """``[num, ...]``: ``rows[k]`` at window position ``measured[k]``; every other position the mean
+    of the measured rows of its source (of every measured row when its source has none measured, or
+    the sources are unknown)."""
+    out = rows.new_empty((num, *rows.shape[1:]))
+    out[torch.as_tensor(measured)] = rows
+    overall = rows.double().mean(dim=0).to(rows.dtype)
+    means = {}
+    if groups is not None:
+        for g in set(groups[int(i)] for i in measured):
+            at = [k for k, i in enumerate(measured) if groups[int(i)] == g]
+            means[g] = rows[at].double().mean(dim=0).to(rows.dtype)
+    rest = np.setdiff1d(np.arange(num), measured)
+    for i in rest:
+        out[int(i)] = means.get(groups[int(i)], overall) if groups is not None else overall
+    return out
