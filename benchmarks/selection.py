@@ -369,11 +369,12 @@ def main(argv=None) -> dict:
           f"k={args.proj_dim}, {'preconditioned' if args.precondition else 'raw gradients'}"
           f"{', common direction removed' if args.remove_common else ''}{', cosine' if args.normalize else ''}, "
           f"{args.seeds} seed(s), "
-          f"curves averaged over the last {args.smooth} evaluations")
-    print(f"{'arm':10s} {'steps_saved':>11s} {'cm_delta':>9s} {'final_delta':>11s} {'overhead':>9s} {'target@front':>12s}")
+          f"curves averaged over the last {args.smooth} evaluations; -sampled arms measure {args.sample} of each "
+          "window")
+    print(f"{'arm':17s} {'steps_saved':>11s} {'cm_delta':>9s} {'final_delta':>11s} {'overhead':>9s} {'target@front':>12s}")
     for arm, s in summary.items():
         front = "-" if s["front_target_frac"] is None else f"{s['front_target_frac']:.2f}"
-        print(f"{arm:10s} {s['steps_saved_frac']:11.3f} {s['compute_matched_delta']:+9.4f} {s['final_delta']:+11.4f} "
+        print(f"{arm:17s} {s['steps_saved_frac']:11.3f} {s['compute_matched_delta']:+9.4f} {s['final_delta']:+11.4f} "
               f"{s['selection_overhead']:9.2f} {front:>12s}")
     headline = next((a for a in ("greats-sampled", "greats") if a in summary), arms[-1])
     head = summary[headline]

@@ -125,12 +125,15 @@ def test_fidelity_bytes_runs():
 
 
 def test_selection_runs(tmp_path):
-    res = _last_json("selection.py", "--quick", "--arms", "none,random,greats-head", "--steps", "12", "--batch", "4",
-                     "--n-each", "64",
+    res = _last_json("selection.py", "--quick", "--arms", "none,random,greats-head,greats-sampled", "--steps", "12",
+                     "--batch", "4", "--n-each", "64", "--sample", "6",
                      "--n-val", "16", "--target-examples", "8", "--window", "24", "--every", "4", "--eval-every", "4",
                      "--out", str(tmp_path), "--png", str(tmp_path / "curves.png"))
-    assert res["benchmark"] == "selection" and set(res["arms"]) == {"none", "random", "greats-head"}
-    assert res["headline_arm"] == "greats-head"
+    assert res["benchmark"] == "selection" and set(res["arms"]) == {"none", "random", "greats-head", "greats-sampled"}
+    assert res["headline_arm"] == "greats-sampled" and res["config"]["sample"] == 6
+    rounds = [json.loads(x) for x in (tmp_path / "greats-sampled-s0" / "tda" / "selection" / "rounds.jsonl")
+              .read_text().splitlines()]
+    assert rounds and all(r["examples_measured"] == 6 and r["examples_rescored"] == 24 for r in rounds)
     assert 0.0 <= res["steps_saved_frac"] <= 1.0 and isinstance(res["compute_matched_delta"], float)
     assert res["arms"]["greats-head"]["selection_overhead"] > 0 and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 

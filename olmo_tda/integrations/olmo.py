@@ -276,8 +276,8 @@ class TDATrainer(Trainer):
         self._write_order(new_order)
         self.dataset.start_index = start
         self.train_loader.restart()
-        for key in ("seconds", "examples_rescored", "score_mean", "promoted_mean_score", "demoted_mean_score",
-                    "rank_corr_prev", "mean_loss_window"):
+        for key in ("seconds", "examples_rescored", "examples_measured", "score_mean", "promoted_mean_score",
+                    "demoted_mean_score", "rank_corr_prev", "mean_loss_window"):
             if stats.get(key) is not None:
                 metrics[f"tda/selection_{key}"] = float(stats[key])
         for name, frac in (stats.get("source_frac_front") or {}).items():

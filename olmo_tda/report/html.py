@@ -96,6 +96,8 @@ def write_run_report(run_dir: Path, path: Path | None = None) -> Path:
             summary["selection policy / mode"] = f"{rounds[-1].get('policy')} / {rounds[-1].get('mode')}"
             summary["selection seconds (total)"] = f"{sum(r.get('seconds', 0.0) for r in rounds):.1f}"
             summary["examples rescored"] = sum(r.get("examples_rescored", 0) for r in rounds)
+            if any("examples_measured" in r for r in rounds):
+                summary["examples measured (forward + backward)"] = sum(r.get("examples_measured", 0) for r in rounds)
     if len(summary) == 1:
         raise FileNotFoundError(f"{run_dir}: no tda/metrics.jsonl or tda/selection/rounds.jsonl to report on")
     return write_attribution_report(path, title=f"olmo_tda run: {run_dir.name}", summary=summary, queries=[],
