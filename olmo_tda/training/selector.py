@@ -399,16 +399,15 @@ def measured_sample(num: int, measure: int, groups: list[str] | None, seed: int)
     perm = rng.permutation(num)
     if groups is None:
         return np.sort(perm[:measure])
-    names = sorted(set(groups))
-    size = {g: groups.count(g) for g in names}
-    phase = dict(zip(names, rng.random(len(names))))
-    seen = dict.fromkeys(names, 0)
-    key = np.empty(num)
-    for i in perm:
-        g = groups[i]
-        key[i] = (seen[g] + phase[g]) / size[g]
-        seen[g] += 1
-    return np.sort(perm[np.argsort(key[perm], kind="stable")[:measure]])
+    _, group = np.unique(np.asarray(groups), return_inverse=True)
+    phase = rng.random(int(group.max()) + 1)
+    g = group[perm]                                     # the sources in the random order
+    size = np.bincount(g)
+    by_source = np.argsort(g, kind="stable")
+    seen = np.empty(num)                                # how many of its source came before, in that order
+    seen[by_source] = np.arange(num) - (np.cumsum(size) - size)[g[by_source]]
+    key = (seen + phase[g]) / size[g]
+    return np.sort(perm[np.argsort(key, kind="stable")[:measure]])
 
 
 def impute_rows(rows: torch.Tensor, measured: np.ndarray, num: int, groups: list[str] | None) -> torch.Tensor:
@@ -417,13 +416,15 @@ def impute_rows(rows: torch.Tensor, measured: np.ndarray, num: int, groups: list
     the sources are unknown)."""
     out = rows.new_empty((num, *rows.shape[1:]))
     out[torch.as_tensor(measured)] = rows
-    overall = rows.double().mean(dim=0).to(rows.dtype)
-    means = {}
-    if groups is not None:
-        for g in set(groups[int(i)] for i in measured):
-            at = [k for k, i in enumerate(measured) if groups[int(i)] == g]
-            means[g] = rows[at].double().mean(dim=0).to(rows.dtype)
-    rest = np.setdiff1d(np.arange(num), measured)
-    for i in rest:
-        out[int(i)] = means.get(groups[int(i)], overall) if groups is not None else overall
+    rest = torch.as_tensor(np.setdiff1d(np.arange(num), measured))
+    overall = rows.double().mean(dim=0)
+    if groups is None:
+        out[rest] = overall.to(rows.dtype)
+        return out
+    _, group = np.unique(np.asarray(groups), return_inverse=True)
+    at = torch.as_tensor(group[measured])
+    sums = torch.zeros((int(group.max()) + 1, *rows.shape[1:]), dtype=torch.float64).index_add_(0, at, rows.double())
+    counts = torch.bincount(at, minlength=len(sums)).view(-1, *[1] * (rows.dim() - 1))
+    means = torch.where(counts > 0, sums / counts.clamp_min(1), overall)       # none measured: all of them
+    out[rest] = means[torch.as_tensor(group)[rest]].to(rows.dtype)
     return out
