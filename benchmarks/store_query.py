@@ -39,7 +39,9 @@ Rank-c factors are the Eckart–Young truncation (top eigenvectors of ĜĜᵀ), 
 library's ``lowrank_factors`` on the first batch.
 
     python benchmarks/store_query.py --quick                 # N=100k, ~11 GB under --work-dir
-    python benchmarks/store_query.py                         # N=1M: ~105 GB of disk
+    python benchmarks/store_query.py                         # N=1M, every store: ~170 GB of disk
+    python benchmarks/store_query.py --cs 1,2 --stores dense,c1.bf16,c2.bf16 \
+        --memory-stores c1.bf16,c2.bf16 --query-rank 4       # N=1M, the recommended store: ~73 GB
     python benchmarks/store_query.py --n 2000 --rounds 1     # toy
     python benchmarks/store_query.py --calibrate             # refit the token model (trains an OLMo)
 """
@@ -307,7 +309,7 @@ def mem_child(small: str, full: str, queries_path: str, top_k: int, block_size: 
 
     VmHWM is this process's own peak (``ru_maxrss`` can report the parent's RSS at fork); it is reset
     to the current RSS before the first query, so the imports' transient peak does not count."""
-    queries = torch.load(queries_path)
+    queries = torch.load(queries_path, weights_only=True)
     try:
         Path("/proc/self/clear_refs").write_text("5")      # reset VmHWM (Linux >= 4.0)
     except OSError:
@@ -351,7 +353,28 @@ def store_specs(args, ranks: list[int]) -> dict[str, tuple[int, str]]:
     if args.compact_dtype not in ("none", args.dtype):
         tag = _DTYPE_TAG[args.compact_dtype]
         specs.update({f"{name}.{tag}": (rank, args.compact_dtype) for name, (rank, _) in list(specs.items())})
+    if args.stores:                 # a subset (the 1M run: all of them would not fit on the disk)
+        wanted = args.stores.split(",")
+        unknown = sorted(set(wanted) - set(specs))
+        if unknown or "dense" not in wanted:
+            raise SystemExit(f"store_query: --stores {args.stores!r}: "
+                             + (f"unknown {unknown}; " if unknown else "dense (the reference) is missing; ")
+                             + f"choose from {', '.join(specs)}")
+        specs = {name: spec for name, spec in specs.items() if name in wanted}
+        if not any(rank for rank, _ in specs.values()):
+            raise SystemExit(f"store_query: --stores {args.stores!r} has no factor store to compare with dense")
     return specs
+
+
+def memory_stores(args, specs: dict) -> list[str]:
+    """Stores whose peak query memory is measured at N/10 and N (each needs an N/10 copy on disk)."""
+    if not args.memory_stores:
+        return list(specs)
+    wanted = args.memory_stores.split(",")
+    if unknown := sorted(set(wanted) - set(specs)):
+        raise SystemExit(f"store_query: --memory-stores {args.memory_stores!r}: {unknown} not built "
+                         f"(built: {', '.join(specs)})")
+    return wanted
 
 
 _DTYPE_TAG = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -361,11 +384,11 @@ def build_stores(model: TokenModel, root: Path, args, ranks: list[int]) -> dict:
     """Write N examples for every store of :func:`store_specs` (the same examples in each), and the
     first N/10 again, for the memory check."""
     specs = store_specs(args, ranks)
-    names = list(specs)
+    names, smalls = list(specs), memory_stores(args, specs)
     writers = {(name, size): GradientStore.create(
         root / f"{name}_{size}", store_meta(specs[name][0], args),
         StoreConfig(dtype=StoreDType(specs[name][1]), flush_every=args.flush_every))
-        for name in names for size in ("small", "full")}
+        for name in names for size in ("small", "full") if size == "full" or name in smalls}
     max_rank, check = max(ranks), {}
     t0 = time.perf_counter()
     for step, start in enumerate(range(0, args.n, args.batch)):
@@ -391,7 +414,7 @@ def build_stores(model: TokenModel, root: Path, args, ranks: list[int]) -> dict:
         for name in names:
             record = GradientRecord(ids=ids, step=step, lr=1e-3, loss_scale=1.0, grads=grads[name])
             writers[(name, "full")].append(record)
-            if start < args.n_small:
+            if start < args.n_small and name in smalls:
                 keep = min(num, args.n_small - start)
                 writers[(name, "small")].append(GradientRecord(
                     ids=ids[:keep], step=step, lr=1e-3, loss_scale=1.0,
@@ -412,10 +435,13 @@ def energy_profile(dense: torch.Tensor) -> list[float]:
 
 
 def needed_bytes(args, ranks: list[int]) -> int:
-    per_example = sum(len(LAYERS) * np.dtype(disk_dtype(StoreDType(dtype))).itemsize
-                      * (K * K if rank == 0 else 2 * K * rank)
-                      for rank, dtype in store_specs(args, ranks).values())
-    return int(per_example * (args.n + args.n_small) * 1.05)
+    specs = store_specs(args, ranks)
+    smalls = memory_stores(args, specs)
+
+    def per_example(rank, dtype):
+        return len(LAYERS) * np.dtype(disk_dtype(StoreDType(dtype))).itemsize * (K * K if rank == 0 else 2 * K * rank)
+    return int(sum(per_example(*spec) * (args.n + (args.n_small if name in smalls else 0))
+                   for name, spec in specs.items()) * 1.05)
 
 
 # -- calibration ----------------------------------------------------------------------------------
@@ -532,6 +558,10 @@ def calibrate(args) -> dict:
 
 # -- main -----------------------------------------------------------------------------------------
 
+def _round(v: float | None, digits: int) -> float | None:
+    return None if v is None else round(v, digits)
+
+
 def spearman_vs(dense_scores: np.ndarray, scores: np.ndarray) -> float:
     from scipy.stats import spearmanr
 
@@ -556,6 +586,11 @@ def main(argv=None) -> dict:
     p.add_argument("--compact-dtype", default="bfloat16", choices=[*(d.value for d in StoreDType), "none"],
                    help="every store again in this dtype (fidelity_bytes.py's recommended storage); the "
                         "recommended configuration is a rank in it ('none': in --dtype)")
+    p.add_argument("--stores", default="",
+                   help="build and time only these stores (comma list of names: dense, c2, dense.bf16, c2.bf16, ...;"
+                        " dense is required); default all")
+    p.add_argument("--memory-stores", default="",
+                   help="stores whose peak memory is checked at N/10 and N (each writes an N/10 copy); default all")
     p.add_argument("--query-rank", type=int, default=16,
                    help="also time the recommended c with the queries as rank-r factors (exploratory; 0: off)")
     p.add_argument("--seed", type=int, default=0)
@@ -585,6 +620,7 @@ def main(argv=None) -> dict:
     ranks = [int(c) for c in args.cs.split(",")]
     t_start = time.perf_counter()
 
+    memory_stores(args, store_specs(args, ranks))      # bad --stores / --memory-stores fail before any I/O
     root = Path(args.work_dir) / f"run-{os.getpid()}"
     root.mkdir(parents=True, exist_ok=True)
     need, free = needed_bytes(args, ranks), shutil.disk_usage(root).free
@@ -614,7 +650,8 @@ def main(argv=None) -> dict:
         name_of = {spec: name for name, spec in specs.items()}         # (rank, dtype) -> store name
         # the recommended configuration is a rank in the compact dtype when there is one (the dtype
         # fidelity_bytes.py recommends), else in --dtype; it is compared against dense in --dtype
-        rec_dtype = args.compact_dtype if (0, args.compact_dtype) in name_of else args.dtype
+        rec_dtype = args.compact_dtype if any(c and d == args.compact_dtype for c, d in name_of) else args.dtype
+        ranks = sorted(c for c, d in name_of if c and d == rec_dtype)       # those built in it
 
         # fidelity (untimed; also fills the page cache). An arm: (store, queries, query rank,
         # readahead, the store's name)
@@ -682,7 +719,8 @@ def main(argv=None) -> dict:
                 read_pass[readahead].append(time.perf_counter() - t0)
         phases["timing"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
-        memory = {name: measure_memory(built["paths"][name][0], full[name], queries_path, args) for name in names}
+        memory = {name: measure_memory(built["paths"][name][0], full[name], queries_path, args)
+                  for name in memory_stores(args, specs)}
         phases["memory"] = time.perf_counter() - t_phase
     finally:
         if not args.keep:
@@ -693,16 +731,16 @@ def main(argv=None) -> dict:
     rows = {}
     for name, (_, _, rank_q, _, base) in arms.items():
         c, dtype = specs[base]
-        same = name_of[(0, dtype)]                                      # dense in the same dtype
+        same = name_of.get((0, dtype))                          # dense in the same dtype (if built)
         mem = memory.get(name, {"peak_small_mb": None, "peak_full_mb": None})
         nb = nbytes[base]
         block = args.block_size or block_rows[base]
         rows[name] = {"c": c, "dtype": dtype, "query_rank": rank_q, "bytes": nb, "bytes_per_example": nb / args.n,
                       "size_ratio": nbytes["dense"] / nb, "cold_s": cold_s[name], "warm_s": warm_s[name],
                       "speedup_cold": cold_s["dense"] / cold_s[name], "speedup_warm": warm_s["dense"] / warm_s[name],
-                      "size_ratio_same_dtype": nbytes[same] / nb,
-                      "speedup_cold_same_dtype": cold_s[same] / cold_s[name],
-                      "speedup_warm_same_dtype": warm_s[same] / warm_s[name],
+                      "size_ratio_same_dtype": nbytes[same] / nb if same else None,
+                      "speedup_cold_same_dtype": cold_s[same] / cold_s[name] if same else None,
+                      "speedup_warm_same_dtype": warm_s[same] / warm_s[name] if same else None,
                       "route": inner_route(args.queries, block, K, K, rank_q, c) if c else "materialized",
                       "block_rows": block,
                       "peak_small_mb": mem["peak_small_mb"], "peak_full_mb": mem["peak_full_mb"],
@@ -714,7 +752,7 @@ def main(argv=None) -> dict:
     # 10x the rows: O(N) memory would grow ~10x; allow allocator noise up to 2x (with glibc's mmap
     # threshold fixed in the child, the peaks at N/10 and N agree within ~1 MB)
     # (only where N/10 fills a whole block: below that, a query's memory grows with N by design)
-    checkable = [n for n in names if args.n_small >= rows[n]["block_rows"]]
+    checkable = [n for n in memory if args.n_small >= rows[n]["block_rows"]]
     mem_independent = all(rows[n]["peak_full_mb"] <= 2 * rows[n]["peak_small_mb"] for n in checkable) \
         if checkable else None
     targets = {"size_10x": head["size_ratio"] >= 10, "speed_5x": speedup >= 5, "spearman_0.9": head["spearman"] >= 0.9,
@@ -736,12 +774,12 @@ def main(argv=None) -> dict:
     print(f"{'store':>20} {'GB':>7} {'B/example':>9} {'size x':>7} {'cold s':>7} {'warm s':>7} {'cold x':>7} "
           f"{'warm x':>7} {'same-dtype cold x':>17} {'route':>12} {'peak MB N/10':>12} {'peak MB N':>10} "
           f"{'spearman':>9} {'recall':>7}")
-    def mb(v):
-        return "-" if v is None else f"{v:.0f}"
+    def mb(v, fmt=".0f"):
+        return "-" if v is None else f"{v:{fmt}}"
     for name, r in rows.items():
         print(f"{name:>20} {r['bytes'] / 1e9:>7.3f} {r['bytes_per_example']:>9.0f} {r['size_ratio']:>7.1f} "
               f"{r['cold_s']:>7.2f} {r['warm_s']:>7.2f} {r['speedup_cold']:>7.2f} {r['speedup_warm']:>7.2f} "
-              f"{r['speedup_cold_same_dtype']:>17.2f} {r['route']:>12} {mb(r['peak_small_mb']):>12} {mb(r['peak_full_mb']):>10} {r['spearman']:>9.4f} "
+              f"{mb(r['speedup_cold_same_dtype'], '.2f'):>17} {r['route']:>12} {mb(r['peak_small_mb']):>12} {mb(r['peak_full_mb']):>10} {r['spearman']:>9.4f} "
               f"{r[f'recall_at_{args.top_k}']:>7.3f}")
     if args.query_rank:
         r = rows[extra]
@@ -754,7 +792,7 @@ def main(argv=None) -> dict:
           f"{off['cold_s']:.2f} s without ({off['cold_s'] / head['cold_s']:.2f}x); warm {head['warm_s']:.2f} vs "
           f"{off['warm_s']:.2f} s; reading alone, cold: {statistics.median(read_pass[True]):.2f} s with, "
           f"{statistics.median(read_pass[False]):.2f} s without")
-    if rec_dtype != args.dtype:
+    if rec_dtype != args.dtype and (best, args.dtype) in name_of and head["size_ratio_same_dtype"]:
         ref = rows[name_of[(best, args.dtype)]]
         print(f"the recommended store {rec} against dense in its own dtype ({head['dtype']}): "
               f"{head['size_ratio_same_dtype']:.1f}x smaller, {head['speedup_cold_same_dtype']:.2f}x cold, "
@@ -776,11 +814,11 @@ def main(argv=None) -> dict:
               "query_speedup_basis": basis, "query_speedup_cold": round(head["speedup_cold"], 3),
               "query_speedup_warm": round(head["speedup_warm"], 3), "spearman": round(head["spearman"], 4),
               f"recall_at_{args.top_k}": round(head[f"recall_at_{args.top_k}"], 4),
-              "peak_mb": round(head["peak_full_mb"], 1), "peak_mb_small": round(head["peak_small_mb"], 1),
+              "peak_mb": _round(head["peak_full_mb"], 1), "peak_mb_small": _round(head["peak_small_mb"], 1),
               "memory_independent_of_n": mem_independent, "targets_met": targets,
-              "same_dtype": {"size_ratio": round(head["size_ratio_same_dtype"], 3),
-                             "query_speedup_cold": round(head["speedup_cold_same_dtype"], 3),
-                             "query_speedup_warm": round(head["speedup_warm_same_dtype"], 3)},
+              "same_dtype": {"size_ratio": _round(head["size_ratio_same_dtype"], 3),
+                             "query_speedup_cold": _round(head["speedup_cold_same_dtype"], 3),
+                             "query_speedup_warm": _round(head["speedup_warm_same_dtype"], 3)},
               "eviction_works": eviction_works, "resident_after_evict": resident_after_evict,
               "read_gibs_warm": round(warm_gibs, 3), "read_gibs_cold": round(cold_gibs, 3),
               "factor_check_max_rel_err": built["factor_check_max_rel_err"],

@@ -105,6 +105,25 @@ def test_store_query_runs(tmp_path):
     assert not any(tmp_path.iterdir())                                   # stores removed
 
 
+def test_store_query_subset_of_stores(tmp_path):
+    """The 1M mode builds only dense fp32 and the bf16 factor stores (all of them need ~170 GB):
+    the recommendation, the memory check and the JSON must work with the rest absent."""
+    res = _last_json("store_query.py", "--n", "1200", "--batch", "512", "--cs", "1,4", "--rounds", "1",
+                     "--block-size", "64", "--query-rank", "0", "--stores", "dense,c1.bf16,c4.bf16",
+                     "--memory-stores", "c4.bf16", "--work-dir", str(tmp_path))
+    per = res["per_store"]
+    assert set(per) == {"dense", "c1.bf16", "c4.bf16", f"{res['recommended_store']} no-readahead"}
+    assert res["recommended_store"] in ("c1.bf16", "c4.bf16") and res["recommended_dtype"] == "bfloat16"
+    assert per["c4.bf16"]["peak_full_mb"] > 0 and per["c1.bf16"]["peak_full_mb"] is None
+    assert per["c4.bf16"]["size_ratio_same_dtype"] is None and res["same_dtype"]["size_ratio"] is None
+    assert abs(per["c4.bf16"]["size_ratio"] - 64 * 64 * 4 / (4 * 128 * 2)) < 0.5      # fp32 64x64 vs bf16 c·(64+64)
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_query.py"), "--n", "100", "--stores", "c1.bf16",
+                        "--work-dir", str(tmp_path)], check=True, capture_output=True, text=True)
+    assert "dense (the reference) is missing" in err.value.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_routing_runs():
     res = _last_json("routing.py", "--tokens", "1,8,64", "--ranks", "1,4", "--query-q", "1,16", "--rounds", "1",
                      "--min-sample-s", "0.001", "--capture-batch", "4", "--ghost-n", "32")
