@@ -20,7 +20,7 @@ intermediates exceed --max-gib) is not run; it is counted as slower (the router 
 only picks the smaller count).
 
 The "what if" lines replay the measured medians under other settings of the rule
-(``factors._SVD_FLOPS`` for capture; a weight on the factorized side's FLOPs for ghost; the two
+(``factors._EIGH_FLOPS`` for capture; a weight on the factorized side's FLOPs for ghost; the two
 measured weights of ``ops.inner_route`` for query) to show which setting would fix a wrong choice; the headline
 always uses the library unchanged.
 
@@ -91,7 +91,8 @@ def sweep_capture(args, gen) -> list[dict]:
 
         def job(decide, g=g, a=a, T=T):
             # every arm goes through the same decision point as capture's hook (only auto's costs
-            # a FLOP count); "tokens" keeps g, a and factors them by QR, "dense" forms Ĝ and SVDs it
+            # a FLOP count); "tokens" keeps g, a and factors them by QR, "dense" forms Ĝ and truncates
+            # it by its Gram's eigendecomposition
             if decide(T) == "tokens":
                 return lowrank_factors(g, a, c)
             return truncate_dense(torch.bmm(g.transpose(1, 2), a), c)
@@ -170,18 +171,18 @@ def replay(rows: list[dict], pick) -> tuple[float, str]:
 
 def what_if_capture(rows: list[dict], args) -> list[dict]:
     out = []
-    saved = factors._SVD_FLOPS
+    saved = factors._EIGH_FLOPS
     try:
-        for value in (2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
-            factors._SVD_FLOPS = value
+        for value in (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0):
+            factors._EIGH_FLOPS = value
 
             def pick(r):
                 return factor_route(int(r["point"][2:]), K, K, args.rank)
             worst, where = replay(rows, pick)
-            out.append({"_SVD_FLOPS": value, "max_over_best": worst, "at": where,
+            out.append({"_EIGH_FLOPS": value, "max_over_best": worst, "at": where,
                         "dense_from_T": next((int(r["point"][2:]) for r in rows if pick(r) == "dense"), None)})
     finally:
-        factors._SVD_FLOPS = saved
+        factors._EIGH_FLOPS = saved
     return out
 
 
@@ -220,7 +221,7 @@ def what_if_weight(rows: list[dict]) -> list[dict]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="1,2,4,8,16,32,40,48,56,64,128,256,512,1024",
+    p.add_argument("--tokens", default="1,2,4,8,16,24,32,40,48,56,64,128,256,512,1024",
                    help="sequence lengths T (40-56 probe the capture rule's switch at T=54)")
     p.add_argument("--ops", default="capture,ghost,query")
     p.add_argument("--rank", type=int, default=4, help="LoRIF rank c for the capture sweep")

@@ -16,6 +16,7 @@ from olmo_tda.capture.factors import (
     dot_ghost,
     lowrank_factors,
     route,
+    truncate_dense,
 )
 
 
@@ -48,6 +49,35 @@ def test_factors_are_the_best_rank_c_approximation(rank):
     # the token count above the input width (T=12 > Ki=7): rank 7 reproduces the gradient exactly
     A7, B7 = lowrank_factors(g, a, 7)
     assert rel_err(A7 @ B7.transpose(1, 2), dense) < 1e-10
+
+
+@pytest.mark.parametrize("ko, ki", [(6, 9), (9, 6), (8, 8)])
+@pytest.mark.parametrize("rank", [1, 3, 6, 11])
+def test_truncate_dense_is_the_svd_truncation(ko, ki, rank):
+    """The Gram-eigendecomposition route equals torch.linalg.svd's Eckart–Young truncation on either
+    narrower side, splits it as U√S / V√S, pads ranks above min(Ko, Ki) with zero columns, and gives
+    rank-deficient (incl. all-zero) examples zero columns instead of NaNs."""
+    g, a = _tokens(5, 12, ko, ki, seed=rank)
+    dense = _dense(g, a)
+    dense[1] = 0.0                                                       # a zero gradient
+    dense[2] = torch.outer(g[2, 0], a[2, 0])                             # rank 1
+    for dtype in (torch.float64, torch.float32):
+        A, B = truncate_dense(dense.to(dtype), rank)
+        assert A.dtype == B.dtype == dtype and A.shape == (5, ko, rank) and B.shape == (5, ki, rank)
+        assert torch.isfinite(A).all() and torch.isfinite(B).all()
+        u, s, vh = torch.linalg.svd(dense)
+        c = min(rank, ko, ki)
+        best = (u[:, :, :c] * s[:, None, :c]) @ vh[:, :c]
+        tol = 1e-10 if dtype == torch.float64 else 1e-5
+        assert rel_err((A @ B.transpose(1, 2)).double(), best) < tol
+        assert (A[1] == 0).all() and (B[1] == 0).all()
+        # U√S and V√S: each side's columns are orthogonal with squared norms equal to the singular values
+        for side in (A, B):
+            gram = side.double().transpose(1, 2) @ side.double()
+            want = torch.diag_embed(torch.cat([s[:, :c], s.new_zeros(5, rank - c)], dim=1))
+            assert rel_err(gram[[0, 3, 4]], want[[0, 3, 4]]) < tol
+        if rank > c:
+            assert (A[:, :, c:] == 0).all() and (B[:, :, c:] == 0).all()
 
 
 def test_every_inner_product_route_equals_dense():
