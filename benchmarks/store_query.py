@@ -745,7 +745,8 @@ def main(argv=None) -> dict:
                       "block_rows": block,
                       "peak_small_mb": mem["peak_small_mb"], "peak_full_mb": mem["peak_full_mb"],
                       "spearman": spearman[name], f"recall_at_{args.top_k}": recall[name],
-                      "resident_when_warm": resident_warm[name]}
+                      "resident_when_warm": resident_warm[name],
+                      "cold_runs_s": [round(v, 3) for v in cold[name]], "warm_runs_s": [round(v, 3) for v in warm[name]]}
     head = rows[rec]
     basis = "cold" if eviction_works else "warm"
     speedup = head[f"speedup_{basis}"]
