@@ -380,11 +380,10 @@ def memory_stores(args, specs: dict) -> list[str]:
 _DTYPE_TAG = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def build_stores(model: TokenModel, root: Path, args, ranks: list[int]) -> dict:
-    """Write N examples for every store of :func:`store_specs` (the same examples in each), and the
-    first N/10 again, for the memory check."""
-    specs = store_specs(args, ranks)
-    names, smalls = list(specs), memory_stores(args, specs)
+def build_stores(model: TokenModel, root: Path, args, ranks: list[int], specs: dict, smalls: list[str]) -> dict:
+    """Write N examples for every store of ``specs`` (the same examples in each), and the first N/10
+    again for those in ``smalls`` (the memory check)."""
+    names = list(specs)
     writers = {(name, size): GradientStore.create(
         root / f"{name}_{size}", store_meta(specs[name][0], args),
         StoreConfig(dtype=StoreDType(specs[name][1]), flush_every=args.flush_every))
@@ -423,7 +422,7 @@ def build_stores(model: TokenModel, root: Path, args, ranks: list[int]) -> dict:
             print(f"  generated {start + num}/{args.n} examples ({time.perf_counter() - t0:.0f} s)", flush=True)
     for w in writers.values():
         w.close()
-    return {"paths": {name: (root / f"{name}_small", root / f"{name}_full") for name in names}, "specs": specs,
+    return {"paths": {name: (root / f"{name}_small", root / f"{name}_full") for name in names},
             "factor_check_max_rel_err": max(check.values()), "build_s": time.perf_counter() - t0}
 
 
@@ -434,10 +433,7 @@ def energy_profile(dense: torch.Tensor) -> list[float]:
     return [round(share[:, c - 1].mean().item(), 3) for c in (1, 2, 4, 8)]
 
 
-def needed_bytes(args, ranks: list[int]) -> int:
-    specs = store_specs(args, ranks)
-    smalls = memory_stores(args, specs)
-
+def needed_bytes(args, specs: dict, smalls: list[str]) -> int:
     def per_example(rank, dtype):
         return len(LAYERS) * np.dtype(disk_dtype(StoreDType(dtype))).itemsize * (K * K if rank == 0 else 2 * K * rank)
     return int(sum(per_example(*spec) * (args.n + (args.n_small if name in smalls else 0))
@@ -620,10 +616,11 @@ def main(argv=None) -> dict:
     ranks = [int(c) for c in args.cs.split(",")]
     t_start = time.perf_counter()
 
-    memory_stores(args, store_specs(args, ranks))      # bad --stores / --memory-stores fail before any I/O
+    specs = store_specs(args, ranks)                    # bad --stores / --memory-stores fail before any I/O
+    smalls = memory_stores(args, specs)
     root = Path(args.work_dir) / f"run-{os.getpid()}"
     root.mkdir(parents=True, exist_ok=True)
-    need, free = needed_bytes(args, ranks), shutil.disk_usage(root).free
+    need, free = needed_bytes(args, specs, smalls), shutil.disk_usage(root).free
     if need > free:
         shutil.rmtree(root)
         raise SystemExit(f"store_query: needs ~{need / 1e9:.1f} GB under {args.work_dir}, only {free / 1e9:.1f} GB "
@@ -638,10 +635,9 @@ def main(argv=None) -> dict:
             queries_path = root / "queries.pt"
             torch.save(queries, queries_path)
             phases["token_model"] = time.perf_counter() - t_phase
-            built = build_stores(model, root, args, ranks)
+            built = build_stores(model, root, args, ranks, specs, smalls)
         phases["build"] = built["build_s"]
         t_phase = time.perf_counter()
-        specs = built["specs"]
         names = list(specs)
         full = {name: paths[1] for name, paths in built["paths"].items()}
         opened = {name: GradientStore.open(full[name]) for name in names}
@@ -720,7 +716,7 @@ def main(argv=None) -> dict:
         phases["timing"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         memory = {name: measure_memory(built["paths"][name][0], full[name], queries_path, args)
-                  for name in memory_stores(args, specs)}
+                  for name in smalls}
         phases["memory"] = time.perf_counter() - t_phase
     finally:
         if not args.keep:
