@@ -181,8 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("--hessian", choices=["raw", "lorif"], help="influence: explicit D×D Fisher or rank-r Woodbury (default lorif)")
     attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
     attr.add_argument("--rank", type=int, help="influence lorif: rank r of the Fisher (default 64)")
-    attr.add_argument("--route", choices=["auto", "factorized", "materialized"], default="auto",
-                      help="inner products with LoRIF factor stores: by cost (auto) or forced")
+    attr.add_argument("--route", choices=["auto", "model", "factorized", "materialized"], default="auto",
+                      help="inner products with LoRIF factor stores: by cost, timed at near-ties (auto), by "
+                           "the cost model alone (model), or forced")
     attr.add_argument("--query-rank", type=int, default=0,
                       help="approximate each query gradient by its best rank-r factors (faster on factor "
                            "stores); 0 = exact queries")

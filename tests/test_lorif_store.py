@@ -16,6 +16,7 @@ from torch import nn
 from conftest import rel_err
 from olmo_tda import CaptureConfig, GradientCapture, GradientStore, StoreConfig
 from olmo_tda.methods.base import attribute
+from olmo_tda import ops
 from olmo_tda.ops import inner, inner_route, sq_norms
 from olmo_tda.store.record import GradientRecord, LowRank
 
@@ -107,7 +108,7 @@ def test_every_inner_route_equals_the_dense_product():
         xd = x.dense() if isinstance(x, LowRank) else x
         yd = y.dense() if isinstance(y, LowRank) else y
         want = xd.reshape(len(xd), -1) @ yd.reshape(len(yd), -1).T
-        for route in ("auto", "factorized", "materialized"):
+        for route in ("auto", "model", "factorized", "materialized"):
             assert rel_err(inner(x, y, route), want) < 1e-12, (type(x), type(y), route)
     assert rel_err(sq_norms(lr), (lr.dense() ** 2).sum(dim=(1, 2))) < 1e-12
     with pytest.raises(ValueError, match="route must be"):
@@ -149,6 +150,71 @@ def test_inner_route_is_the_flop_rule():
     assert inner_route(16, 1000, 64, 64, 2, 2) == "factorized"
     assert inner_route(16, 1000, 64, 64, 48, 48) == "materialized"
     assert inner_route(4, 4, 8, 8, 0, 0) == "materialized"
+
+
+def _slowed(monkeypatch, name, calls):
+    """Make ``ops.<name>`` (one route's kernel) 30 ms slower, counting its calls."""
+    import time
+    real = getattr(ops, name)
+
+    def slow(*args):
+        calls[name] = calls.get(name, 0) + 1
+        time.sleep(0.03)
+        return real(*args)
+    monkeypatch.setattr(ops, name, slow)
+
+
+@pytest.mark.parametrize("slow, want_route", [("dot_dense_factor", "materialized"), ("dot_dense_tiles", "factorized")])
+@pytest.mark.parametrize("queries_are_factors", [False, True])
+def test_auto_times_near_ties_and_keeps_the_faster_route(monkeypatch, slow, want_route, queries_are_factors):
+    # Q=1 dense query vs c=8 factors: the model's costs are 8 vs 7.8 (a near-tie), so auto runs both
+    # routes, keeps the faster — here the one not slowed by 30 ms — and later calls of the shape
+    # (other rows, the short last block) take it without timing
+    monkeypatch.setattr(ops, "_measured", {})
+    calls = {}
+    _slowed(monkeypatch, slow, calls)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 64, 64, dtype=torch.float64, generator=gen)
+    lr = LowRank(torch.randn(1024, 64, 8, dtype=torch.float64, generator=gen),
+                 torch.randn(1024, 64, 8, dtype=torch.float64, generator=gen))
+    want = q.reshape(1, -1) @ lr.dense().reshape(1024, -1).T
+    x, y = (lr, q) if queries_are_factors else (q, lr)
+    want = want.T if queries_are_factors else want
+    assert ops.auto_route(x, y) is None                        # not timed yet
+    assert rel_err(inner(x, y), want) < 1e-12
+    timed_calls = 1 + ops._TIMED_ROUNDS                        # a warm-up, then one 30 ms call a round
+    assert calls[slow] == timed_calls
+    assert ops.auto_route(x, y) == want_route
+    assert list(ops.measured_routes().values()) == [want_route]
+    short = (lr[:700], q) if queries_are_factors else (q, lr[:700])
+    assert ops.auto_route(*short) == want_route                # 700 rows round up to the same key
+    assert rel_err(inner(*short), want[:700] if queries_are_factors else want[:, :700]) < 1e-12
+    assert rel_err(inner(x, y), want) < 1e-12
+    assert calls[slow] == timed_calls                          # no more timing, the slow route not taken
+    assert rel_err(inner(x, y, "model"), want) < 1e-12         # the model alone: its own pick, untimed
+    model_takes_slow = inner_route(1, 1024, 64, 64, 0, 8) == ("factorized" if slow == "dot_dense_factor"
+                                                               else "materialized")
+    assert calls[slow] == timed_calls + model_takes_slow
+    ops.clear_measured_routes()
+    assert ops.auto_route(x, y) is None
+
+
+def test_auto_times_only_near_ties(monkeypatch):
+    # outside TIE_BAND (Q=64 vs c=8: 512 vs 42.3), two factor sides, or a product too small to time,
+    # auto is the cost model: one route runs once, nothing is measured
+    monkeypatch.setattr(ops, "_measured", {})
+    calls = {}
+    _slowed(monkeypatch, "dot_dense_factor", calls)
+    _slowed(monkeypatch, "dot_dense_tiles", calls)
+    gen = torch.Generator().manual_seed(4)
+    lr = LowRank(torch.randn(256, 64, 8, generator=gen), torch.randn(256, 64, 8, generator=gen))
+    cases = [(torch.randn(64, 64, 64, generator=gen), lr),                       # far from a tie
+             (LowRank(torch.randn(1, 64, 8), torch.randn(1, 64, 8)), lr),        # factors·factors
+             (torch.randn(1, 8, 8, generator=gen), LowRank(lr.A[:4, :8], lr.B[:4, :8]))]   # 2k multiply-adds
+    for x, y in cases:
+        assert ops.auto_route(x, y) == inner_route(len(x), len(y), y.shape[1], y.shape[2], ops._rank(x), ops._rank(y))
+        inner(x, y)
+    assert calls == {"dot_dense_tiles": 2} and ops.measured_routes() == {}
 
 
 def _write(path, cap, records, dtype="float32"):
@@ -206,7 +272,7 @@ def test_factor_store_round_trip_and_methods_equal_dense(tmp_path, dtype):
     for method, opts in [("graddot", {}), ("gradcos", {}), ("influence", {"hessian": "raw"}),
                          ("influence", {"hessian": "lorif", "rank": 8})]:
         ref = attribute(dense, queries, method=method, top_k=12, return_scores=True, **opts)
-        for route in ("auto", "factorized", "materialized"):
+        for route in ("auto", "model", "factorized", "materialized"):
             got = attribute(factors, queries, method=method, top_k=12, return_scores=True, route=route, **opts)
             assert rel_err(got.all_scores, ref.all_scores) < 10 * tol, (method, opts, route)
 

@@ -2,7 +2,8 @@
 
 Inner products sum over the chosen layers (block-diagonal: each layer's flattened ``Ko·Ki`` block).
 Training rows may be dense or LoRIF factors; :func:`olmo_tda.ops.inner` routes each layer's product
-(``route="auto"`` by cost, or forced ``"factorized"`` / ``"materialized"``). ``query_rank=r`` trades
+(``route="auto"`` by cost, timed at near-ties; ``"model"`` the cost model alone; or forced
+``"factorized"`` / ``"materialized"``). ``query_rank=r`` trades
 exact queries for their best rank-r factors (faster against factor stores; see docs/BENCHMARKS.md).
 """
 
