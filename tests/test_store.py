@@ -307,11 +307,24 @@ def test_readahead_asks_for_exactly_the_selected_layers_bytes_of_each_shard(tmp_
         inline_readahead.clear()
         blocks = list(store.iter_blocks(layers=layers, block_size=4))
         plain = list(store.iter_blocks(layers=layers, block_size=4, readahead=False))
-        assert len(inline_readahead) == len(store.shards) == 4      # the first at once, then one ahead
         for b, p in zip(blocks, plain, strict=True):
             assert np.array_equal(b.ids, p.ids) and all(torch.equal(b.grads[n], p.grads[n]) for n in b.grads)
         chosen = LAYERS if layers is None else layers
-        for (path, ranges), info in zip(inline_readahead, store.shards):
+        # per shard: the first at once (its layers); each next one, one ahead: its head (metadata and
+        # small datasets) and its layers; from the third on, two ahead: its head alone, before it is opened
+        paths = [store.path / info.file for info in store.shards]
+        assert [path for path, _ in inline_readahead] == [paths[0], paths[1], paths[2], paths[2], paths[3], paths[3]]
+        layer_requests = [inline_readahead[i] for i in (0, 1, 3, 5)]
+        heads = [_head_of(path) for path in paths]
+        for j, ((path, ranges), early) in enumerate(zip(layer_requests, (None, None, 2, 4))):
+            head, ends = heads[j]
+            if j:
+                assert ranges[0] == (0, head) and head >= max(ends.values())     # ids, steps, lr, loss_scale
+            if early is not None:       # sized by the shard before it (1.5x), which covers its own head
+                before = heads[j - 1][0]
+                assert inline_readahead[early][1] == [(0, before + before // 2)] and before + before // 2 >= head
+        for (path, ranges), info in zip(layer_requests, store.shards):
+            ranges = [r for r in ranges if r[0]]
             assert path == store.path / info.file
             assert len(ranges) == len(chosen)
             raw = path.read_bytes()
@@ -324,6 +337,15 @@ def test_readahead_asks_for_exactly_the_selected_layers_bytes_of_each_shard(tmp_
     inline_readahead.clear()
     list(store.iter_blocks(ids=[0, 1, 20]))                          # sparse selections read no ahead
     assert inline_readahead == []
+
+
+def _head_of(path):
+    """(offset of the first gradient dataset, {small dataset: its end offset}) of a shard."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        ends = {k: f[k].id.get_offset() + f[k].id.get_storage_size() for k in ("ids", "steps", "lr", "loss_scale")}
+        return f["grads/L0000"].id.get_offset(), ends
 
 
 def _keys_of(path):

@@ -14,8 +14,8 @@ kernel calls, top-k merges) every few MB.
 
 Cold stores are read while they are scored: on opening a shard the reader asks the kernel
 (``posix_fadvise(WILLNEED)``, from a helper thread so a busy disk never stalls the scoring) to
-read the selected layers' bytes of the *next* shard, so its disk reads overlap this shard's
-arithmetic. It is a hint only (the page cache, not our memory, holds what it reads; a failure is
+read the selected layers' bytes and the metadata of the *next* shard, and the metadata of the one
+after it, so disk reads overlap this shard's arithmetic and opening a shard does not wait on them. It is a hint only (the page cache, not our memory, holds what it reads; a failure is
 ignored) and is off for sparse id selections and where the OS has no ``posix_fadvise``.
 """
 
@@ -322,7 +322,13 @@ class GradientStore:
                 if pool is not None and j + 1 < len(infos):
                     try:
                         ahead = self._open_shard(infos[j + 1])
-                        pool.submit(_willneed, self.path / infos[j + 1].file, _byte_ranges(ahead, layer_indices))
+                        head = _head_length(ahead)
+                        pool.submit(_willneed, self.path / infos[j + 1].file,
+                                    [(0, head)] * bool(head) + _byte_ranges(ahead, layer_indices))
+                        if head and j + 2 < len(infos):
+                            # the one after: its metadata, so that opening it (on this thread, next
+                            # turn) reads the page cache; a few KB more than it needs do no harm
+                            pool.submit(_willneed, self.path / infos[j + 2].file, [(0, head + (head >> 1))])
                     except (StoreCorruptError, OSError, KeyError, ValueError, RuntimeError):
                         if ahead is not None:       # opened but unreadable: reopened (and raised) in its turn
                             ahead.close()
@@ -363,6 +369,13 @@ def _byte_ranges(f, layer_indices: list[int]) -> list[tuple[int, int]]:
             return [(0, 0)]
         ranges.append((int(offset), int(dsid.get_storage_size())))
     return ranges
+
+
+def _head_length(f) -> int:
+    """Bytes before a shard's first gradient dataset: the file's metadata and its small datasets
+    (ids, steps, lr, loss_scale), which the writer creates first; 0 when it is chunked."""
+    offset = f["grads/L0000"].id.get_offset()
+    return int(offset or 0)
 
 
 def _willneed(path: Path, ranges: list[tuple[int, int]]) -> None:
