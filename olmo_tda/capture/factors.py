@@ -85,12 +85,17 @@ def lowrank_factors(grads_BTKo: torch.Tensor, acts_BTKi: torch.Tensor, rank: int
     uz, sz, vz = torch.linalg.svd(core, full_matrices=False)
     c = min(rank, sz.shape[-1])
     root = sz[:, :c].sqrt().unsqueeze(1)
-    A = (u1 @ uz[:, :, :c]) * root
-    B = (u2 @ vz.transpose(1, 2)[:, :, :c]) * root
-    if c < rank:
-        A = torch.cat([A, A.new_zeros(num, k_out, rank - c)], dim=2)
-        B = torch.cat([B, B.new_zeros(num, k_in, rank - c)], dim=2)
+    A, B = _pad_rank((u1 @ uz[:, :, :c]) * root, (u2 @ vz.transpose(1, 2)[:, :, :c]) * root, rank)
     return A.to(g.dtype), B.to(a.dtype)
+
+
+def _pad_rank(A: torch.Tensor, B: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero columns appended up to ``rank`` (a gradient of rank below c is stored at width c)."""
+    missing = rank - A.shape[2]
+    if missing <= 0:
+        return A, B
+    return (torch.cat([A, A.new_zeros(*A.shape[:2], missing)], dim=2),
+            torch.cat([B, B.new_zeros(*B.shape[:2], missing)], dim=2))
 
 
 def truncate_dense(grads_BKoKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +109,7 @@ def truncate_dense(grads_BKoKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, 
     (LAPACK's batched SVD is the slow part of a capture with ``rank``)."""
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    num, k_out, k_in = grads_BKoKi.shape
+    _, k_out, k_in = grads_BKoKi.shape
     left = k_out <= k_in
     m = grads_BKoKi.double() if left else grads_BKoKi.double().transpose(1, 2)      # [B, p, r], p ≤ r
     vals, vecs = torch.linalg.eigh(m @ m.transpose(1, 2))                           # ascending
@@ -114,10 +119,7 @@ def truncate_dense(grads_BKoKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, 
     root = s.sqrt().unsqueeze(1)
     # Ĝᵀu_j = s_j v_j, so v_j √s_j = Ĝᵀu_j / √s_j; a zero singular value gets a zero column
     other = (m.transpose(1, 2) @ u) * torch.where(root > 0, 1 / root.clamp_min(1e-300), torch.zeros_like(root))
-    A, B = (u * root, other) if left else (other, u * root)
-    if c < rank:
-        A = torch.cat([A, A.new_zeros(num, k_out, rank - c)], dim=2)
-        B = torch.cat([B, B.new_zeros(num, k_in, rank - c)], dim=2)
+    A, B = _pad_rank(*((u * root, other) if left else (other, u * root)), rank)
     return A.to(grads_BKoKi.dtype), B.to(grads_BKoKi.dtype)
 
 
