@@ -30,6 +30,7 @@ OTHERS = {
     "deepspeed_overhead": ["--rounds", "3"],
     "routing": ["--quick"],
     "store_query": ["--quick"],
+    "store_read": ["--quick"],
     "fidelity_bytes": ["--quick"],
     "projection_fidelity": [],
     "tied_head_fidelity": [],

@@ -124,6 +124,17 @@ def test_store_query_subset_of_stores(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_store_read_runs(tmp_path):
+    res = _last_json("store_read.py", "--n", "600", "--rounds", "1", "--large", "300x2", "--small", "10x3",
+                     "--work-dir", str(tmp_path))
+    assert res["benchmark"] == "store_read" and res["shards"] == {"large": 1, "small": 20}
+    assert set(res["per_shard_ms"]) == {"reader", "h5py", "query"} and res["query_small_over_large"] > 0
+    assert not any(tmp_path.iterdir())                                   # stores removed
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_read.py"), "--small", "8"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "--small must be RxF" in out.stderr
+
+
 def test_routing_runs():
     res = _last_json("routing.py", "--tokens", "1,8,64", "--ranks", "1,4", "--query-q", "1,16", "--rounds", "1",
                      "--min-sample-s", "0.001", "--capture-batch", "4", "--ghost-n", "32")

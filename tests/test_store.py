@@ -377,6 +377,43 @@ def test_willneed_covers_each_range_in_readahead_windows_and_never_raises(tmp_pa
     reader._willneed(tmp_path / "missing", [(0, 0)])                 # a hint: a failure is not an error
 
 
+@pytest.mark.parametrize("config", [{}, {"dtype": "bfloat16"}, {"dtype": "float16"}, {"compression": "gzip"}])
+def test_shard_reader_reads_what_hdf5_reads(tmp_path, config):
+    # the reader reads contiguous datasets straight from the file at their byte offsets: every
+    # dataset, whole or any row selection (contiguous, ragged, sparse), equals h5py's own read
+    import h5py
+    from olmo_tda.store.reader import _ShardReader
+
+    store = write_store(tmp_path / "s", random_records(range(5), rows_per_step=4, seed=31), flush_every=3, **config)
+    selections = [None, np.arange(2, 9), np.array([0, 1, 3, 4, 6]), np.array([0, 11]), np.array([5])]
+    for info in store.shards:
+        path = store.path / info.file
+        with h5py.File(path, "r") as f:
+            want = {name: f[name][:] for name in ["ids", "steps", "lr", "loss_scale", *f["grads"]]
+                    for name in ([name] if name in f else [f"grads/{name}"])}
+        with _ShardReader(h5py.File(path, "r"), path) as shard:
+            for name, full in want.items():
+                if name.startswith("grads/"):               # compressed gradients go through HDF5
+                    assert (shard._layout(name)[3] is None) == ("compression" in config)
+                for rows in selections:
+                    rows = rows if rows is None else rows[rows < len(full)]
+                    got = shard.read(name, rows)
+                    assert got.dtype == full.dtype and np.array_equal(got, full if rows is None else full[rows])
+
+
+def test_a_truncated_dataset_names_the_shard_and_the_dataset(tmp_path, monkeypatch):
+    import h5py
+    from olmo_tda.store import reader
+
+    store = write_store(tmp_path / "s", random_records(range(2), seed=32), flush_every=2)
+    path = store.path / store.shards[0].file
+    with reader._ShardReader(h5py.File(path, "r"), path) as shard:
+        dsid, shape, dtype, _ = shard._layout("grads/L0001")
+        shard._layouts["grads/L0001"] = (dsid, shape, dtype, path.stat().st_size - 8)    # runs past the end
+        with pytest.raises(StoreCorruptError, match=r"r00000-00000000.h5: dataset grads/L0001 ends after 8 of"):
+            shard.read("grads/L0001")
+
+
 def test_a_shard_corrupted_after_open_fails_in_its_turn_with_readahead(tmp_path, inline_readahead):
     path = tmp_path / "s"
     store = write_store(path, random_records(range(6), seed=23), flush_every=2)
