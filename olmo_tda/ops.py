@@ -22,9 +22,9 @@ machine's state (benchmarks/routing.py saw Q=1, c=8 go either way by 1.2–1.6×
 ``route="auto"`` measures where the model cannot tell: when the two modelled costs are within
 :data:`TIE_BAND` of each other (and the call is big enough to time), the first call of that shape
 times both routes (:func:`_time_routes`), keeps the faster one for the process
-(:func:`measured_routes`), and later calls of the shape take it without timing. ``route="model"`` is the cost model alone (no timing:
-the same choice on every run). Every route gives the same numbers up to rounding
-(tests/test_lorif_store.py). The ghost route for raw token factors is
+(:func:`measured_routes`), and later calls of the shape take it without timing.
+``route="model"`` is the cost model alone (no timing: the same choice on every run). Every route
+gives the same numbers up to rounding (tests/test_lorif_store.py). The ghost route for raw token factors is
 :func:`olmo_tda.capture.factors.cross_gram`, the same rule with c = tokens.
 
 Example::

@@ -316,7 +316,8 @@ class GradientStore:
 
     def _opened(self, infos: list[ShardInfo], layer_indices: list[int], readahead: bool):
         """``(info, _ShardReader)`` for each shard in turn (the caller closes each); with
-        ``readahead`` the next shard is opened one ahead and its selected layers' bytes requested."""
+        ``readahead`` the next shard is opened one ahead and its head and selected layers' bytes
+        requested, and the head of the shard after it."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="olmo_tda-readahead") \
             if readahead and hasattr(os, "posix_fadvise") and len(infos) > 1 else None
         ahead = None
