@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,15 +133,6 @@ def test_store_read_runs(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_read.py"), "--small", "8"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "--small must be RxF" in out.stderr
-
-
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="Linux only (O_DIRECT, posix_fadvise)")
-def test_cold_read_runs(tmp_path):
-    res = _last_json("cold_read.py", "--n", "3000", "--rounds", "1", "--queries", "2", "--filler-gb", "0.07",
-                     "--work-dir", str(tmp_path))
-    assert res["benchmark"] == "cold_read" and set(res["median_s"]) == {"hint", "cache", "direct", "free", "warm"}
-    assert res["hint_over_direct"] > 0 and res["reader_chose_direct"].endswith("/3")
-    assert not any(tmp_path.iterdir())                                   # store and filler removed
 
 
 def test_routing_runs():

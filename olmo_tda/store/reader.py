@@ -12,19 +12,12 @@ layers, at most :data:`MAX_BLOCK_ROWS`: a fixed 1024 rows would hold 1 GiB per b
 OLMo-1B store (64 Linears at k=64) and, for LoRIF rows of a few KB, pay per-block costs (HDF5 reads,
 kernel calls, top-k merges) every few MB.
 
-Cold stores are read while they are scored. On opening a shard, a helper thread reads the selected
-layers' bytes of the *next* shard into memory (one span of at most :data:`PREFETCH_BYTES`), and asks
-the kernel (``posix_fadvise(WILLNEED)``) for that shard's metadata and the metadata of the one after
-it, so disk reads overlap this shard's arithmetic and opening a shard does not wait on them. What
-the page cache holds is copied from it; the rest is read with ``O_DIRECT`` when the store does not
-fit in half of the free memory (:func:`_direct_reads`): caching it would only evict other data, and
-on a machine whose page cache is full (after reading a large dense store, say) the kernel's
-reclaim and copies cost the scoring threads ~12% of a 1M-row factor query (docs/BENCHMARKS.md). A
-store that fits is read through the page cache, so the next query finds it there. Larger spans
-(dense stores) and compressed shards are only hinted (``WILLNEED``: the page cache, not our memory,
-holds what it reads). A failed read ahead is not an error: the rows are read again in their turn
-(and raise there if they must). Readahead is off for sparse id selections and where the OS has no
-``posix_fadvise``.
+Cold stores are read while they are scored: on opening a shard the reader asks the kernel
+(``posix_fadvise(WILLNEED)``, from a helper thread so a busy disk never stalls the scoring) to
+read the selected layers' bytes and the metadata of the *next* shard, and the metadata of the one
+after it, so disk reads overlap this shard's arithmetic and opening a shard does not wait on them.
+It is a hint only (the page cache, not our memory, holds what it reads; a failure is ignored) and
+is off for sparse id selections and where the OS has no ``posix_fadvise``.
 
 Each shard's datasets are opened once through HDF5's low-level API, and the contiguous ones (every
 uncompressed store) are read straight from the file at their byte offsets (:class:`_ShardReader`):
@@ -38,7 +31,7 @@ import functools
 import logging
 import math
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
@@ -259,10 +252,7 @@ class GradientStore:
         n_pending = 0
         visit = [info for info in self.shards
                  if step_set is None or _range_hits(step_set, info.step_min, info.step_max)]
-        readahead = readahead and id_set is None
-        direct = readahead and _direct_reads(sum(info.bytes for info in visit))
-        fresh = self.dtype is StoreDType.FLOAT32     # decoding keeps float32 words: not views of read-ahead
-        for info, shard in self._opened(visit, [i for _, i in indices], readahead, direct):
+        for info, shard in self._opened(visit, [i for _, i in indices], readahead and id_set is None):
             with shard:
                 mask = np.ones(info.num_rows, dtype=bool)
                 shard_steps = shard.read("steps")
@@ -279,14 +269,11 @@ class GradientStore:
                 while pos < len(rows):
                     take = rows[pos:pos + block_size - n_pending]
                     pos += len(take)
-                    grads = {name: self._wrap(name, decode_grads(shard.read(f"grads/L{i:04d}", take, fresh=fresh),
-                                                                 self.dtype))
+                    grads = {name: self._wrap(name, decode_grads(shard.read(f"grads/L{i:04d}", take), self.dtype))
                              for name, i in indices}
                     pending.append(GradientBlock(ids=shard_ids[take], steps=shard_steps[take], lr=lr[take],
                                                  loss_scale=loss_scale[take], grads=grads))
                     n_pending += len(take)
-                    if pos == len(rows):
-                        shard.drop_readahead()      # every row read: its bytes go before the block is scored
                     if n_pending == block_size:
                         yield _concat(pending, indices)
                         pending, n_pending = [], 0
@@ -327,27 +314,23 @@ class GradientStore:
             out.append((name, position[name]))
         return out
 
-    def _opened(self, infos: list[ShardInfo], layer_indices: list[int], readahead: bool, direct: bool = False):
+    def _opened(self, infos: list[ShardInfo], layer_indices: list[int], readahead: bool):
         """``(info, _ShardReader)`` for each shard in turn (the caller closes each); with
-        ``readahead`` the next shard is opened one ahead, its head requested and its selected layers'
-        bytes read into memory (or requested, when too large or compressed), and the head of the
-        shard after it requested; ``direct``: read what is not cached with ``O_DIRECT``."""
+        ``readahead`` the next shard is opened one ahead and its head and selected layers' bytes
+        requested, and the head of the shard after it."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="olmo_tda-readahead") \
             if readahead and hasattr(os, "posix_fadvise") and len(infos) > 1 else None
         ahead = None
         try:
             for j, info in enumerate(infos):
                 shard, ahead = (ahead or _ShardReader(self._open_shard(info), self.path / info.file)), None
-                if pool is not None and j == 0 and not shard.prefetch(layer_indices, pool, direct):
+                if pool is not None and j == 0:
                     pool.submit(_willneed, shard.path, shard.byte_ranges(layer_indices))
                 if pool is not None and j + 1 < len(infos):
                     try:
                         ahead = _ShardReader(self._open_shard(infos[j + 1]), self.path / infos[j + 1].file)
                         head = ahead.head_length()
-                        if head:
-                            pool.submit(_willneed, ahead.path, [(0, head)])
-                        if not ahead.prefetch(layer_indices, pool, direct):
-                            pool.submit(_willneed, ahead.path, ahead.byte_ranges(layer_indices))
+                        pool.submit(_willneed, ahead.path, [(0, head)] * bool(head) + ahead.byte_ranges(layer_indices))
                         if head and j + 2 < len(infos):
                             # the one after: its metadata, so that opening it (on this thread, next
                             # turn) reads the page cache; a few KB more than it needs do no harm
@@ -391,8 +374,6 @@ class _ShardReader:
     def __init__(self, f, path: Path):
         self.f, self.path, self._file = f, path, None
         self._layouts: dict[str, tuple] = {}
-        self._span: tuple[int, int] | None = None      # file bytes [lo, hi) read ahead by the helper
-        self._spanned: Future | None = None             # ... and its result: those bytes (fewer at EOF)
 
     def __enter__(self) -> "_ShardReader":
         return self
@@ -401,45 +382,9 @@ class _ShardReader:
         self.close()
 
     def close(self) -> None:
-        self.drop_readahead()
         if self._file is not None:
             self._file.close()
         self.f.close()
-
-    def prefetch(self, layer_indices: list[int], pool: ThreadPoolExecutor, direct: bool = False) -> bool:
-        """Have ``pool`` read the selected layers' bytes into memory, as one span from the first to the
-        last (``direct``: what is not cached with ``O_DIRECT``). False, and nothing started, where the
-        datasets are chunked (compressed) or the span is over :data:`PREFETCH_BYTES` or mostly other
-        layers' bytes."""
-        ranges = self.byte_ranges(layer_indices)
-        if not ranges or ranges == [(0, 0)]:
-            return False
-        lo, hi = min(o for o, _ in ranges), max(o + n for o, n in ranges)
-        lo, hi = lo - lo % _ALIGN, -(-hi // _ALIGN) * _ALIGN
-        if hi - lo > PREFETCH_BYTES or hi - lo > 2 * (sum(n for _, n in ranges) + _ALIGN):
-            return False
-        self._span, self._spanned = (lo, hi), pool.submit(_read_span, self.path, lo, hi - lo, direct)
-        return True
-
-    def drop_readahead(self) -> None:
-        """Let go of the bytes read ahead (later reads read the file)."""
-        if self._spanned is not None:
-            self._spanned.cancel()
-        self._span = self._spanned = None
-
-    def _prefetched(self, start: int, end: int) -> np.ndarray | None:
-        """File bytes ``[start, end)`` as read ahead, or None when they were not (or the read ahead
-        failed or came up short: the plain read then reads them, or raises)."""
-        if self._span is None or not (self._span[0] <= start and end <= self._span[1]):
-            return None
-        try:
-            data = self._spanned.result()
-        except Exception as e:      # noqa: BLE001 - reading ahead is never an error (CancelledError too)
-            log.debug("read ahead of %s failed: %s", self.path, e)
-            self._span = self._spanned = None
-            return None
-        lo = self._span[0]
-        return data[start - lo:end - lo] if len(data) >= end - lo else None
 
     def _layout(self, name: str) -> tuple:
         """``(dataset id, shape, dtype, byte offset or None when not one contiguous range)``."""
@@ -452,26 +397,18 @@ class _ShardReader:
             layout = self._layouts[name] = (dsid, shape, dtype, offset)
         return layout
 
-    def read(self, name: str, rows: np.ndarray | None = None, fresh: bool = False) -> np.ndarray:
-        """Dataset ``name``: every row, or the sorted ``rows``; ``fresh``: never a view of the bytes
-        read ahead (which a kept view would keep alive)."""
+    def read(self, name: str, rows: np.ndarray | None = None) -> np.ndarray:
+        """Dataset ``name``: every row, or the sorted ``rows``."""
         dsid, shape, dtype, offset = self._layout(name)
         lo, hi = (0, shape[0]) if rows is None else (int(rows[0]), int(rows[-1]) + 1)
         if offset is None or not dtype.isnative or (rows is not None and hi - lo > 2 * len(rows)):
             dataset = h5py.Dataset(dsid)
             return dataset[:] if rows is None else _read_rows(dataset, rows)
         row_bytes = dtype.itemsize * math.prod(shape[1:])
-        start = offset + lo * row_bytes
-        ahead = self._prefetched(start, start + (hi - lo) * row_bytes)
-        if ahead is not None:
-            out = ahead.view(dtype).reshape(hi - lo, *shape[1:])
-            if rows is not None and hi - lo != len(rows):
-                return out[rows - lo]                       # a gather: a new array
-            return out.copy() if fresh or not out.flags.aligned else out
         out = np.empty((hi - lo, *shape[1:]), dtype=dtype)
         if self._file is None:
             self._file = open(self.path, "rb", buffering=0)
-        self._file.seek(start)
+        self._file.seek(offset + lo * row_bytes)
         got = self._file.readinto(memoryview(out).cast("B"))
         if got != out.nbytes:
             raise StoreCorruptError(f"gradient store shard {self.path}: dataset {name} ends after {got} of its "
@@ -493,82 +430,6 @@ class _ShardReader:
         """Bytes before the first gradient dataset: the file's metadata and its small datasets (ids,
         steps, lr, loss_scale), which the writer creates first; 0 when it is chunked."""
         return int(self._layout("grads/L0000")[3] or 0)
-
-
-PREFETCH_BYTES = 32 << 20
-"""A shard's selected bytes are read ahead into memory when they span at most this many bytes (a
-factor store's shards: a few MB); larger spans (dense stores) are left to the kernel (``WILLNEED``).
-At most two spans are held at once: the shard being scored and the next."""
-_ALIGN = 4096
-"""``O_DIRECT`` offsets, lengths and buffers are multiples of this (any disk's logical block size)."""
-
-
-def _direct_reads(nbytes: int) -> bool:
-    """Whether a scan of ``nbytes`` reads around the page cache: when it does not fit in half of the
-    free memory (where the OS has ``O_DIRECT`` and can tell the free memory)."""
-    if not (hasattr(os, "O_DIRECT") and hasattr(os, "preadv")):
-        return False
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return False
-    return nbytes > free // 2
-
-
-def _read_span(path: Path, offset: int, length: int, direct: bool) -> np.ndarray:
-    """(helper thread) Bytes ``[offset, offset + length)`` of ``path``, fewer where the file ends;
-    ``offset`` and ``length`` are multiples of :data:`_ALIGN`.
-
-    Cached bytes are copied from the page cache (``RWF_NOWAIT`` reads return only those); with
-    ``direct`` the rest comes with ``O_DIRECT``, from the disk into this buffer, allocating no
-    page-cache pages (nor reclaiming others for them), else with plain reads. A filesystem without
-    ``O_DIRECT`` (tmpfs) gets plain reads."""
-    raw = np.empty(length + _ALIGN, np.uint8)
-    skip = -raw.ctypes.data % _ALIGN
-    buf = memoryview(raw[skip:skip + length])
-    got = 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        nowait = getattr(os, "RWF_NOWAIT", None)
-        if direct and nowait is not None:
-            try:
-                while got < length and (n := os.preadv(fd, [buf[got:]], offset + got, nowait)) > 0:
-                    got += n
-            except OSError:         # EAGAIN: not cached; EOPNOTSUPP: an older kernel
-                pass
-            got -= got % _ALIGN     # direct reads start on a block
-        if got < length:
-            got = _read_rest(fd, path, buf, offset, got, direct)
-    finally:
-        os.close(fd)
-    return raw[skip:skip + got]
-
-
-def _read_rest(fd: int, path: Path, buf: memoryview, offset: int, got: int, direct: bool) -> int:
-    """Fill ``buf[got:]`` from ``offset + got`` (direct reads where they work): the bytes now in ``buf``."""
-    dfd = None
-    if direct:
-        try:
-            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
-            dfd = None
-    try:
-        while got < len(buf):
-            try:
-                n = os.preadv(dfd if dfd is not None else fd, [buf[got:]], offset + got)
-            except OSError:
-                if dfd is None:
-                    raise
-                os.close(dfd)           # a filesystem that opens O_DIRECT but will not read it
-                dfd = None
-                continue
-            if n <= 0:
-                break
-            got += n
-    finally:
-        if dfd is not None:
-            os.close(dfd)
-    return got
 
 
 def _willneed(path: Path, ranges: list[tuple[int, int]]) -> None:
