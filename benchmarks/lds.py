@@ -1,4 +1,4 @@
-"""Linear datamodeling score (LDS) of graddot, TracIn-CP and influence (raw, lorif) on a tiny OLMo, on CPU.
+"""Linear datamodeling score (LDS) of graddot, TracIn-CP and influence (raw, lorif, ekfac) on a tiny OLMo, on CPU.
 
 Protocol (Park et al., TRAK, 2023), everything seeded:
 
@@ -18,11 +18,12 @@ Protocol (Park et al., TRAK, 2023), everything seeded:
 - Attribution: on a separate model trained on the full training set (init seed 0), per-example
   gradients of the summed token CE through the library's ``GradientCapture`` (orthogonal projection
   to ``proj_dim`` per side, and unprojected: ``exact``), written to a ``GradientStore`` and scored
-  with ``attribute`` (graddot; influence with ``hessian`` raw and lorif, default damping ratio 0.1,
-  lorif rank ``rank``). TracIn-CP is ``olmo_tda.methods.tracin.tracin_cp`` over ``checkpoints``
+  with ``attribute`` (graddot; influence with ``hessian`` raw, lorif and ekfac, default damping
+  ratio 0.1, lorif rank ``rank``). TracIn-CP is ``olmo_tda.methods.tracin.tracin_cp`` over ``checkpoints``
   evenly spaced weights of that run's trajectory (the last is the final model), each weighted by the lr.
   Raw influence is only run projected: unprojected it needs a D×D Cholesky per layer (head:
-  D = 257·(d_model+1)), and with N rows lorif at rank ≥ N equals it anyway.
+  D = 257·(d_model+1)), and with N rows lorif at rank ≥ N equals it anyway. EK-FAC runs both ways:
+  its factors are k_out² + k_in² + k_out·k_in floats a layer, unprojected too.
 - LDS: a positive score means training on i lowers q's loss, so the prediction for S_j is
   Σ_{i∈S_j} score(q, i) and LDS = mean over queries of Spearman(prediction_j, −loss_j) across subsets.
   ± is the standard error over queries. Time per row: its gradients (capture + store write, shared
@@ -161,6 +162,8 @@ def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: 
                                           "damping_ratio": args.damping_ratio}))
     options.append(("influence lorif", {"method": "influence", "hessian": "lorif", "rank": args.rank,
                                         "damping_ratio": args.damping_ratio}))
+    options.append(("influence ekfac", {"method": "influence", "hessian": "ekfac",
+                                        "damping_ratio": args.damping_ratio}))
     for label, kw in options:
         t0 = time.perf_counter()
         res = attribute(store, query_grads, top_k=1, return_scores=True, projector_hash=cap.projector_hash, **kw)
@@ -243,7 +246,7 @@ def main(argv=None):
           f"(Spearman-Brown {ceiling:.3f})")
     print(f"{'method':<24} {'LDS':>7} {'± se':>6} {'time s':>7}")
     lds = {}
-    order = ["graddot", "tracin", "influence raw", "influence lorif"]
+    order = ["graddot", "tracin", "influence raw", "influence lorif", "influence ekfac"]
     for label in sorted(rows, key=lambda s: ("exact" in s, order.index(s.rsplit(" ", 1)[0]))):
         scores, seconds = rows[label]
         per_query = spearman_rows(masks.astype(np.float64) @ scores.T, outcome)

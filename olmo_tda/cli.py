@@ -90,6 +90,8 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
                if v is not None}
     if options and args.method != "influence":
         raise ValueError(f"--hessian/--damping/--rank apply to --method influence, not {args.method}")
+    if args.rank is not None and args.hessian != "lorif":
+        raise ValueError(f"--rank is the rank of --hessian lorif, not of {args.hessian or 'ekfac (the default)'}")
     for flag, key, value, default in (("--route", "route", args.route, "auto"),
                                       ("--query-rank", "query_rank", args.query_rank, 0)):
         if value != default:
@@ -178,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     attr = sub.add_parser("attribute", help="which training passages made the model produce these texts?")
     attr.add_argument("run", help="run directory of olmo-tda train (or the demo's output folder)")
     attr.add_argument("--ids", help="TracIn-CP: only these training instances (\"3,5,9\" or @file); default all")
-    attr.add_argument("--hessian", choices=["raw", "lorif"], help="influence: explicit D×D Fisher or rank-r Woodbury (default lorif)")
+    attr.add_argument("--hessian", choices=["raw", "lorif", "ekfac"],
+                      help="influence: EK-FAC (default), explicit D×D Fisher or rank-r Woodbury")
     attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
     attr.add_argument("--rank", type=int, help="influence lorif: rank r of the Fisher (default 64)")
     attr.add_argument("--route", choices=["auto", "model", "factorized", "materialized"], default="auto",

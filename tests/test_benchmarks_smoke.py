@@ -78,7 +78,8 @@ def test_lds_runs():
                      "--checkpoints", "2", "--proj-dim", "8", "--rank", "4", "--d-model", "16", "--n-layers", "1")
     assert res["benchmark"] == "lds" and res["retrains"] == 4
     for key in ("reliability", "lds_graddot", "lds_tracin", "lds_influence_raw", "lds_influence_lorif",
-                "lds_graddot_exact", "lds_tracin_exact", "lds_influence_lorif_exact"):
+                "lds_influence_ekfac", "lds_graddot_exact", "lds_tracin_exact", "lds_influence_lorif_exact",
+                "lds_influence_ekfac_exact"):
         assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
 
 

@@ -60,11 +60,17 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
         if method == "tracin":   # in-run TracIn pairs each step with a checkpoint up to 8 steps away here
             assert results[0]["index"] == passage["index"], results[0]
     assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
-    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--rank", "16",
-                 "--json", str(tmp_path / "influence.json")]) == 0
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "lorif",
+                 "--rank", "16", "--json", str(tmp_path / "influence.json")]) == 0
     assert capsys.readouterr().out.startswith("influence: hessian lorif, rank 16, damping λ per layer")
     answer = json.loads((tmp_path / "influence.json").read_text())[0]
     assert answer["results"][0]["index"] == passage["index"] and len(answer["damping"]) == 9
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence",     # EK-FAC, the default
+                 "--json", str(tmp_path / "ekfac.json")]) == 0
+    assert capsys.readouterr().out.startswith("influence: hessian ekfac, damping λ per layer")
+    assert json.loads((tmp_path / "ekfac.json").read_text())[0]["results"][0]["index"] == passage["index"]
+    assert main(["attribute", str(out), "--query", "x y", "--method", "influence", "--rank", "16"]) == 2
+    assert "--rank is the rank of --hessian lorif, not of ekfac (the default)" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "gradcos", "--damping", "1"]) == 2
     assert "apply to --method influence" in capsys.readouterr().err
     ids_file = tmp_path / "ids.txt"

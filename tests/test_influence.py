@@ -1,5 +1,5 @@
-"""Influence with a damped per-layer Fisher: the explicit (raw) and low-rank Woodbury (lorif) paths
-against explicit inverses computed here, on random low-rank data and on a tiny OLMo's exact
+"""Influence with a damped per-layer Fisher: the explicit (raw), low-rank Woodbury (lorif) and EK-FAC
+paths against explicit inverses computed here, on random low-rank data and on a tiny OLMo's exact
 per-example gradients (torch.func)."""
 
 from __future__ import annotations
@@ -59,6 +59,63 @@ def test_woodbury_equals_the_explicit_inverse_when_rank_covers_the_gradients_and
     assert rel_err(raw.prepare({"fc": queries})["fc"].reshape(len(want), -1), want) < 1e-8
 
 
+def _explicit_ekfac(train: torch.Tensor, damping_ratio=0.1):
+    """The EK-FAC matrix built densely, independently of the streaming code: the Kronecker
+    eigenbasis K = U_S ⊗ U_A of S = E[G Gᵀ], A = E[Gᵀ G], and F_ekfac = K diag(Kᵀ F K) Kᵀ, the part
+    of the explicit D×D Fisher that is diagonal in that basis; returns its damped inverse and λ."""
+    g = train.double()
+    n, k_out, k_in = g.shape
+    u_out = torch.linalg.eigh(torch.einsum("noi,npi->op", g, g) / n)[1]
+    u_in = torch.linalg.eigh(torch.einsum("noi,nop->ip", g, g) / n)[1]
+    kron = torch.kron(u_out, u_in)                      # row-major vec(G): vec(U_S X U_Aᵀ) = (U_S ⊗ U_A) vec(X)
+    flat_g = g.reshape(n, -1)
+    fisher = flat_g.T @ flat_g / n
+    approx = kron @ torch.diag(torch.diagonal(kron.T @ fisher @ kron)) @ kron.T
+    lam = damping_ratio * torch.trace(fisher).item() / len(fisher)
+    return torch.linalg.inv(approx + lam * torch.eye(len(fisher), dtype=torch.float64)), lam
+
+
+def test_ekfac_equals_its_explicit_kronecker_matrix_and_the_exact_inverse_when_f_is_kronecker_diagonal(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    shape = (4, 6)
+    # random gradients: EK-FAC equals the explicitly built eigenbasis-diagonal matrix's inverse
+    train = torch.randn(30, 4, 4, generator=gen, dtype=torch.float64) @ torch.randn(30, 4, 6, generator=gen,
+                                                                                     dtype=torch.float64)
+    queries = torch.randn(3, *shape, generator=gen, dtype=torch.float64)
+    store = _store(tmp_path, {"fc": train.float()}, "random")
+    method = get_method("influence", hessian="ekfac")
+    method.fit(store, ["fc"])
+    inv, lam = _explicit_ekfac(train.float())
+    assert method.info["damping"]["fc"] == pytest.approx(lam, rel=1e-6)
+    got = method.prepare({"fc": queries})["fc"].reshape(3, -1)
+    assert rel_err(got, queries.reshape(3, -1) @ inv) < 1e-8
+    raw_inv, _ = _explicit(train.float())
+    assert rel_err(got, queries.reshape(3, -1) @ raw_inv) > 1e-2     # an approximation of raw here
+
+    # gradients whose Fisher is diagonal in a Kronecker basis: rotations of C ∘ h_r over the 24 rows
+    # h_r of a Hadamard-like ±1 design (orthogonal columns), so every cross moment vanishes exactly;
+    # then EK-FAC is the exact damped inverse
+    hadamard = torch.tensor([[1.0]], dtype=torch.float64)
+    while len(hadamard) < 32:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    signs = hadamard[:, :24].reshape(32, 4, 6)
+    u = torch.linalg.qr(torch.randn(4, 4, generator=gen, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=torch.float64))[0]
+    spread = torch.logspace(0, -2, 24, dtype=torch.float64).reshape(4, 6)    # distinct second moments
+    cores = torch.randn(2, 1, 4, 6, generator=gen, dtype=torch.float64) * spread
+    diag_train = u @ (cores * signs).reshape(64, 4, 6) @ v.T
+    fisher = diag_train.reshape(64, -1).T @ diag_train.reshape(64, -1)
+    rotated = torch.kron(u, v).T @ fisher @ torch.kron(u, v)
+    assert (rotated - torch.diag(torch.diagonal(rotated))).abs().max() < 1e-10 * rotated.abs().max()
+    store = _store(tmp_path, {"fc": diag_train.float()}, "kron_diagonal")
+    exact_inv, _ = _explicit(diag_train.float())
+    for hessian in ("ekfac", "raw"):
+        method = get_method("influence", hessian=hessian)
+        method.fit(store, ["fc"])
+        got = method.prepare({"fc": queries})["fc"].reshape(3, -1)
+        assert rel_err(got, queries.reshape(3, -1) @ exact_inv) < 1e-5, hessian
+
+
 @pytest.fixture(scope="module")
 def olmo_grads(tmp_path_factory):
     """A tiny OLMo's exact per-example gradients (torch.func) and a store of the same gradients
@@ -116,6 +173,25 @@ def test_influence_equals_explicit_damped_fisher_influence_on_a_tiny_olmo(olmo_g
     assert results["lorif"][0] >= 0.95 and results["lorif"][1] < 1e-3
 
 
+def test_ekfac_influence_on_a_tiny_olmo_equals_the_explicit_ekfac_matrix(olmo_grads):
+    """On real gradients EK-FAC is an approximation of the full Fisher: the streamed result equals
+    the dense EK-FAC matrix built here from the torch.func gradients, and its agreement with exact
+    influence is reported beside raw's."""
+    res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="ekfac", top_k=5,
+                    return_scores=True, projector_hash=None)
+    scores = res.all_scores[:, np.argsort(res.all_ids)]
+    want = 0
+    for name in olmo_grads["layers"]:
+        inv, lam = _explicit_ekfac(olmo_grads["train"][name])
+        assert res.info["damping"][name] == pytest.approx(lam, rel=1e-5)
+        q = olmo_grads["query"][name].reshape(4, -1).double()
+        want = want + q @ inv @ olmo_grads["train"][name].reshape(48, -1).double().T
+    exact = _explicit_influence(olmo_grads)
+    print(f"EK-FAC vs its explicit matrix: rel. err {rel_err(scores, want):.1e}; vs exact damped-Fisher influence: "
+          f"Spearman {_spearman(scores, exact):.4f}")
+    assert res.info["hessian"] == "ekfac" and rel_err(scores, want) < 1e-4
+
+
 def test_influence_damping_sweep(olmo_grads):
     """Damping moves influence from a sharp inverse (small λ) to its λ → ∞ limit, a gradient dot with
     each layer weighted by 1/λ_l ∝ D_l/tr(F_l) (per-layer damping); at every λ the implementation
@@ -128,8 +204,8 @@ def test_influence_damping_sweep(olmo_grads):
                   / layer_trace_over_dim(n) for n in olmo_grads["layers"])
     rows = []
     for ratio in (1e-3, 1e-2, 1e-1, 1.0, 10.0, 1e3):
-        res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", damping_ratio=ratio,
-                        top_k=1, return_scores=True)
+        res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="lorif",
+                        damping_ratio=ratio, top_k=1, return_scores=True)
         scores = res.all_scores[:, np.argsort(res.all_ids)]
         rows.append((ratio, _spearman(scores, _explicit_influence(olmo_grads, ratio)), _spearman(scores, graddot)))
     print("damping ratio | Spearman vs explicit | Spearman vs the λ→∞ limit (layer-normalized graddot)")
@@ -140,32 +216,37 @@ def test_influence_damping_sweep(olmo_grads):
 
 
 def test_influence_bad_options_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="hessian must be 'raw' or 'lorif'"):
-        get_method("influence", hessian="ekfac")
+    with pytest.raises(ValueError, match="hessian must be 'raw', 'lorif' or 'ekfac'"):
+        get_method("influence", hessian="kfac")
     with pytest.raises(ValueError, match="damping must be > 0"):
         get_method("influence", damping=0.0)
+    with pytest.raises(ValueError, match="rank is the rank of hessian='lorif', not of hessian='ekfac'"):
+        get_method("influence", rank=16)
     store = _store(tmp_path, {"fc": torch.zeros(4, 2, 2)})
-    with pytest.raises(ValueError, match="zero gradients"):
-        attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence")
+    for hessian in ("ekfac", "raw", "lorif"):
+        with pytest.raises(ValueError, match="zero gradients"):
+            attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence", hessian=hessian)
+    assert get_method("influence").hessian == "ekfac"
 
 
-@pytest.mark.parametrize("hessian", ["raw", "lorif"])
+@pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac"])
 def test_fitted_fisher_is_cached_beside_the_store_and_a_damaged_cache_is_recomputed(olmo_grads, hessian, caplog):
     store = olmo_grads["store"]
+    rank = {"rank": 16} if hessian == "lorif" else {}
     for f in (store.path / "cache").glob("*"):
         f.unlink()
-    first = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, return_scores=True)
+    first = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, **rank, return_scores=True)
     assert "cached" not in first.info and len(list((store.path / "cache").glob("influence-*.safetensors"))) == 1
-    second = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, return_scores=True)
+    second = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, **rank, return_scores=True)
     assert second.info["cached"] and torch.equal(first.all_scores, second.all_scores)
     assert second.info["damping"] == first.info["damping"]
-    other = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, damping=3.0)
+    other = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, **rank, damping=3.0)
     assert "cached" not in other.info                 # other options: another cache entry
     cache = sorted((store.path / "cache").glob("influence-*.safetensors"))[0]
     cache.write_bytes(b"not a safetensors file")
     for f in (store.path / "cache").glob("influence-*.safetensors"):
         f.write_bytes(b"garbage")
-    third = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, rank=16, return_scores=True)
+    third = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, **rank, return_scores=True)
     assert "cached" not in third.info and torch.equal(third.all_scores, first.all_scores)
     assert "ignoring unreadable cache" in caplog.text
     assert GradientStore.open(store.path).num_rows == 48      # the store itself is untouched

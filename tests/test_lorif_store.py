@@ -270,7 +270,7 @@ def test_factor_store_round_trip_and_methods_equal_dense(tmp_path, dtype):
 
     queries = {n: g[:3] for n, g in want.grads.items()}
     for method, opts in [("graddot", {}), ("gradcos", {}), ("influence", {"hessian": "raw"}),
-                         ("influence", {"hessian": "lorif", "rank": 8})]:
+                         ("influence", {"hessian": "lorif", "rank": 8}), ("influence", {"hessian": "ekfac"})]:
         ref = attribute(dense, queries, method=method, top_k=12, return_scores=True, **opts)
         for route in ("auto", "model", "factorized", "materialized"):
             got = attribute(factors, queries, method=method, top_k=12, return_scores=True, route=route, **opts)
@@ -294,7 +294,8 @@ def test_store_refuses_the_wrong_representation(tmp_path):
         GradientStore.create(tmp_path / "s", cap_d.store_metadata(), StoreConfig())
 
 
-@pytest.mark.parametrize("method, opts", [("graddot", {}), ("gradcos", {}), ("influence", {"hessian": "raw"})])
+@pytest.mark.parametrize("method, opts", [("graddot", {}), ("gradcos", {}), ("influence", {"hessian": "raw"}),
+                                          ("influence", {"hessian": "ekfac"})])
 def test_query_rank_scores_the_best_rank_r_queries(tmp_path, method, opts):
     """``query_rank=r`` = the same method with each (preconditioned, normalized) query replaced by its
     best rank-r approximation, computed here independently by SVD against the dense store."""

@@ -13,6 +13,9 @@ per-example gradients (``torch.func``) and its exact influence (``workload.exact
   orthogonal projectors at the workload's k per side (k=8: 64 floats a layer, 832 in all), with
   the damped Fisher of the projected gradients (three projector seeds);
 - ``fisher_eigen``: the same in the top-k K-FAC eigenbasis;
+- ``ekfac_kron`` / ``ekfac_eigen``: ``hessian="ekfac"`` on those same stored rows: EK-FAC in the
+  projected space (Kronecker factors and eigenvalue correction from the stored per-example
+  gradients, the library's ``ekfac_apply``), at the projected Fisher's λ;
 - ``fisher_layer_jl`` / ``fisher_layer_jl2x``: a dense Gaussian projection of each layer's full
   gradient (k² or 2k² per layer) with its projected Fisher (forming these needs every per-example
   gradient in full: what capture avoids);
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 
 from olmo_tda.capture.projection import make_projector
+from olmo_tda.methods.influence import ekfac_apply
 
 from .workload import (RELATIVE_DAMPING, Workload, exact_gradients, example_losses, linear_names, load,
                        prepare, spearman_rows)
@@ -91,6 +95,18 @@ def projected_fisher_scores(train: torch.Tensor, query: torch.Tensor) -> torch.T
     return query @ torch.linalg.solve(fisher + lam * eye, train.T)
 
 
+def projected_ekfac_scores(train: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``[Q, N]`` as :func:`projected_fisher_scores`, with EK-FAC in place of the explicit Fisher
+    (rows ``[N, Ko, Ki]``); the same λ (EK-FAC keeps the Fisher's trace)."""
+    n, k_out, k_in = train.shape
+    u_out = torch.linalg.eigh(torch.einsum("noi,npi->op", train, train) / n)[1]
+    u_in = torch.linalg.eigh(torch.einsum("noi,nop->ip", train, train) / n)[1]
+    evals = (u_out.T @ train @ u_in).pow(2).mean(0)
+    lam = RELATIVE_DAMPING * float(evals.sum()) / (k_out * k_in)
+    pre = ekfac_apply(query, u_out, u_in, evals, lam)
+    return pre.reshape(len(query), -1) @ train.reshape(n, -1).T
+
+
 def run(workdir: Path, seeds: int) -> dict:
     w, model, train_ids, query_ids = load(workdir)
     exact = np.load(workdir / "exact_influence.npy")
@@ -138,6 +154,7 @@ def run(workdir: Path, seeds: int) -> dict:
         e_out, e_in = u_out[:, :k_out].T, u_in[:, :k_in].T
         g_eig = e_out @ g @ e_in.T
         add("fisher_eigen", 0, projected_fisher_scores(g_eig.reshape(n, -1), (e_out @ q @ e_in.T).reshape(len(q), -1)))
+        add("ekfac_eigen", 0, projected_ekfac_scores(g_eig, e_out @ q @ e_in.T))
         add("precond_then_eigen", 0, torch.einsum("qoi,noi->qn", e_out @ q_ekfac @ e_in.T, g_eig))
         for rep in range(seeds):
             p_out, p_in = (m.double() for m in
@@ -146,6 +163,7 @@ def run(workdir: Path, seeds: int) -> dict:
             g_p = p_out @ g @ p_in.T
             q_p = p_out @ q @ p_in.T
             add("fisher_kron", rep, projected_fisher_scores(g_p.reshape(n, -1), q_p.reshape(len(q), -1)))
+            add("ekfac_kron", rep, projected_ekfac_scores(g_p, q_p))
             add("precond_then_kron", rep, scale * torch.einsum("qoi,noi->qn", p_out @ q_ekfac @ p_in.T, g_p))
             add("exact_precond_then_kron", rep, scale * torch.einsum("qoi,noi->qn", p_out @ q_exact @ p_in.T, g_p))
             coords[rep][0].append(math.sqrt(scale) * g_p.reshape(n, -1))

@@ -83,7 +83,9 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
         with activation_grads_only(model):
             with cap.record(np.arange(len(query))) as qrec:
                 example_losses(model(query), query).sum().backward()
-        # influence: explicit per-layer projected Fisher, λ_l = 0.1·tr(F_l)/D_l (our default)
+        # influence: explicit per-layer projected Fisher, λ_l = 0.1·tr(F_l)/D_l (our default damping). Not
+        # our default hessian (ekfac, which predicts retraining better): raw is our closest to the exact
+        # damped-Fisher influence this column measures (benchmarks/peers/influence_levers.py)
         method = {"method": "influence", "hessian": "raw", "damping_ratio": RELATIVE_DAMPING} if influence \
             else {"method": "graddot"}
         res = attribute(GradientStore.open(tmp / "store"), qrec, top_k=100, return_scores=True, **method)

@@ -9,6 +9,15 @@ over the store's N rows, D_l = k_out·k_in the flattened width of layer l.
   iteration — every pass multiplies ``F V = (1/N) Σ_blocks Gᵀ (G V)`` block by block, so memory is
   O(D·r) — then Woodbury: ``(F + λI)⁻¹ ≈ (1/λ)[I − V diag(s/(s+λ)) Vᵀ]`` with s the eigenvalues.
   Exact when r ≥ rank(F) (up to the iteration's convergence).
+- ``hessian="ekfac"``: EK-FAC in the projected space. Each layer's Kronecker factors come from the
+  stored per-example gradients, ``S = (1/N) Σ Ĝ Ĝᵀ`` (k_out²) and ``A = (1/N) Σ Ĝᵀ Ĝ`` (k_in²); in
+  their eigenbases ``U_S, U_A`` a second pass takes the exact second moments of the rotated
+  gradients, ``Λ = (1/N) Σ (U_Sᵀ Ĝ U_A)²`` (the eigenvalue correction), so
+  ``F ≈ (U_S ⊗ U_A) diag(Λ) (U_S ⊗ U_A)ᵀ``: the part of F that is diagonal in that basis, with the
+  same trace. ``(F+λI)⁻¹q = U_S [(U_Sᵀ q U_A) / (Λ + λ)] U_Aᵀ``. Two passes, memory
+  O(k_out² + k_in² + D) per layer. Exact when F is diagonal in a Kronecker basis; otherwise an
+  approximation of ``raw`` for projections too wide for a D×D matrix (k=64 per side: 32 KiB of
+  factors a layer instead of 128 MiB).
 
 Damping ``λ_l`` defaults to ``damping_ratio · tr(F_l)/D_l`` (0.1: the usual LoGRA choice); a number
 passed as ``damping`` is used for every layer. It dominates quality, so the values used are in
@@ -16,6 +25,7 @@ passed as ``damping`` is used for every layer. It dominates quality, so the valu
 
 Example::
 
+    result = attribute(store, queries, method="influence")                          # EK-FAC
     result = attribute(store, queries, method="influence", hessian="lorif", rank=64)
     result.info["damping"]        # {layer: λ_l}
 """
@@ -30,7 +40,7 @@ import torch
 from ..ops import ROUTES, flat, inner, lowrank_queries
 from .base import register_method
 
-__all__ = ["Influence", "fisher_stats", "lowrank_fisher", "woodbury_apply"]
+__all__ = ["Influence", "ekfac_fisher", "ekfac_apply", "fisher_stats", "lowrank_fisher", "woodbury_apply"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +114,50 @@ def woodbury_apply(q: torch.Tensor, vecs: torch.Tensor, evals: torch.Tensor, dam
     return (q - coeff @ vecs.T) / damping
 
 
+def ekfac_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = None
+                 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, float], int]:
+    """Two passes: ``({layer: (U_S [Ko, Ko], U_A [Ki, Ki], Λ [Ko, Ki])}, {layer: tr(F)}, N)``.
+
+    Pass one accumulates the Kronecker factors ``Σ Ĝ Ĝᵀ`` and ``Σ Ĝᵀ Ĝ`` (and tr F); pass two the
+    eigenvalue correction ``Σ (U_Sᵀ Ĝ U_A)²`` in their eigenbases. float64 throughout.
+    """
+    shapes = store.layer_shapes
+    out_f = {n: torch.zeros(shapes[n][0], shapes[n][0], dtype=torch.float64) for n in layers}
+    in_f = {n: torch.zeros(shapes[n][1], shapes[n][1], dtype=torch.float64) for n in layers}
+    num = 0
+    for block in store.iter_blocks(layers=list(layers), block_size=block_size):
+        num += len(block.ids)
+        for name in layers:
+            k_out, k_in = shapes[name]
+            g = _flat(block.grads[name]).reshape(-1, k_out, k_in)
+            by_out = g.transpose(0, 1).reshape(k_out, -1)              # Σ_i Ĝ_i Ĝ_iᵀ as one GEMM
+            by_in = g.reshape(-1, k_in)                                # Σ_i Ĝ_iᵀ Ĝ_i as one GEMM
+            out_f[name] += by_out @ by_out.T
+            in_f[name] += by_in.T @ by_in
+    if num == 0:
+        raise ValueError("influence needs training rows in the store to estimate the Fisher")
+    # contiguous, so a fit read back from the cache multiplies in the same layout (the same bits)
+    bases = {n: (torch.linalg.eigh(out_f[n] / num)[1].contiguous(), torch.linalg.eigh(in_f[n] / num)[1].contiguous())
+             for n in layers}
+    moments = {n: torch.zeros(*shapes[n], dtype=torch.float64) for n in layers}
+    for block in store.iter_blocks(layers=list(layers), block_size=block_size):
+        for name in layers:
+            u_out, u_in = bases[name]
+            rotated = u_out.T @ _flat(block.grads[name]).reshape(-1, *shapes[name]) @ u_in
+            moments[name] += (rotated * rotated).sum(dim=0)
+    fitted = {n: (*bases[n], moments[n] / num) for n in layers}
+    return fitted, {n: float(fitted[n][2].sum()) for n in layers}, num
+
+
+def ekfac_apply(q: torch.Tensor, u_out: torch.Tensor, u_in: torch.Tensor, evals: torch.Tensor,
+                damping: float) -> torch.Tensor:
+    """``(F_ekfac + λI)⁻¹ q`` for ``q`` [Q, Ko, Ki]: ``U_S [(U_Sᵀ q U_A) / (Λ + λ)] U_Aᵀ``."""
+    return u_out @ ((u_out.T @ q @ u_in) / (evals + damping)) @ u_in.T
+
+
+HESSIANS = ("raw", "lorif", "ekfac")
+
+
 def _double(g: Any) -> Any:
     return g.to(torch.float64)
 
@@ -111,19 +165,24 @@ def _double(g: Any) -> Any:
 @register_method
 class Influence:
     """Damped Fisher-inverse influence; see the module docstring. ``fit(store, layers)`` runs first.
-    The default is ``lorif`` (memory O(D·r)); ``raw`` holds a D×D matrix per layer (k=64: 128 MiB each)."""
+    The default is ``ekfac`` (two Kronecker eigenbases and a k_out×k_in eigenvalue matrix a layer:
+    the best linear datamodeling score at every damping in ``benchmarks/lds.py``); ``lorif`` holds
+    O(D·r), ``raw`` a D×D matrix per layer (k=64: 128 MiB each)."""
 
     name = "influence"
 
-    def __init__(self, *, hessian: str = "lorif", damping: float | None = None, damping_ratio: float = 0.1,
-                 rank: int = 64, oversample: int = 8, iterations: int = 3, seed: int = 0, route: str = "auto",
-                 query_rank: int = 0):
-        if hessian not in ("raw", "lorif"):
-            raise ValueError(f"influence: hessian must be 'raw' or 'lorif', got {hessian!r}")
+    def __init__(self, *, hessian: str = "ekfac", damping: float | None = None, damping_ratio: float = 0.1,
+                 rank: int | None = None, oversample: int = 8, iterations: int = 3, seed: int = 0,
+                 route: str = "auto", query_rank: int = 0):
+        if hessian not in HESSIANS:
+            raise ValueError(f"influence: hessian must be 'raw', 'lorif' or 'ekfac', got {hessian!r}")
         if damping is not None and not damping > 0:
             raise ValueError(f"influence: damping must be > 0, got {damping!r}")
         if not damping_ratio > 0:
             raise ValueError(f"influence: damping_ratio must be > 0, got {damping_ratio!r}")
+        if rank is not None and hessian != "lorif":
+            raise ValueError(f"influence: rank is the rank of hessian='lorif', not of hessian={hessian!r}")
+        rank = 64 if rank is None else rank
         if rank < 1:
             raise ValueError(f"influence: rank must be >= 1, got {rank}")
         if route not in ROUTES:
@@ -174,6 +233,8 @@ class Influence:
             factor = self._fitted["factors"][name]
             if self.hessian == "raw":
                 tensors[f"{i}.chol"] = factor.contiguous()
+            elif self.hessian == "ekfac":
+                tensors[f"{i}.u_out"], tensors[f"{i}.u_in"], tensors[f"{i}.evals"] = (t.contiguous() for t in factor)
             else:
                 tensors[f"{i}.vecs"], tensors[f"{i}.evals"] = factor[0].contiguous(), factor[1].contiguous()
         meta = {"info": json.dumps(self.info), "layers": json.dumps(list(layers))}
@@ -197,8 +258,9 @@ class Influence:
                     return False
                 factors = {}
                 for i, name in enumerate(layers):
-                    factors[name] = (f.get_tensor(f"{i}.chol") if self.hessian == "raw"
-                                     else (f.get_tensor(f"{i}.vecs"), f.get_tensor(f"{i}.evals")))
+                    keys = {"raw": ["chol"], "lorif": ["vecs", "evals"], "ekfac": ["u_out", "u_in", "evals"]}
+                    parts = [f.get_tensor(f"{i}.{key}") for key in keys[self.hessian]]
+                    factors[name] = parts[0] if self.hessian == "raw" else tuple(parts)
                 info = json.loads(meta["info"])
         except Exception as e:   # noqa: BLE001 - a damaged cache is recomputed, never trusted
             log.warning("influence: ignoring unreadable cache %s (%s)", path, e)
@@ -208,7 +270,10 @@ class Influence:
         return True
 
     def _fit(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
-        fisher, trace, num = fisher_stats(store, layers, block_size=block_size, explicit=self.hessian == "raw")
+        if self.hessian == "ekfac":
+            fisher, trace, num = ekfac_fisher(store, layers, block_size=block_size)
+        else:
+            fisher, trace, num = fisher_stats(store, layers, block_size=block_size, explicit=self.hessian == "raw")
         shapes = store.layer_shapes
         damping = {n: (self.damping if self.damping is not None
                        else self.damping_ratio * trace[n] / (shapes[n][0] * shapes[n][1])) for n in layers}
@@ -218,6 +283,8 @@ class Influence:
         if self.hessian == "raw":
             factors = {n: torch.linalg.cholesky(fisher[n] + damping[n] * torch.eye(len(fisher[n]), dtype=torch.float64))
                        for n in layers}
+        elif self.hessian == "ekfac":
+            factors = fisher
         else:
             factors = lowrank_fisher(store, layers, self.rank, oversample=self.oversample,
                                      iterations=self.iterations, block_size=block_size, seed=self.seed)
@@ -234,6 +301,8 @@ class Influence:
             damping, factor = self._fitted["damping"][name], self._fitted["factors"][name]
             if self.hessian == "raw":
                 pre = torch.cholesky_solve(flat.T, factor).T
+            elif self.hessian == "ekfac":
+                pre = ekfac_apply(flat.reshape(q.shape), *factor, damping)
             else:
                 pre = woodbury_apply(flat, *factor, damping)
             out[name] = pre.reshape(q.shape)
