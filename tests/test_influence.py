@@ -84,7 +84,7 @@ def test_ekfac_equals_its_explicit_kronecker_matrix_and_the_exact_inverse_when_f
     queries = torch.randn(3, *shape, generator=gen, dtype=torch.float64)
     store = _store(tmp_path, {"fc": train.float()}, "random")
     method = get_method("influence", hessian="ekfac")
-    method.fit(store, ["fc"])
+    method.fit(store, ["fc"], block_size=7)             # both passes sum over several streamed blocks
     inv, lam = _explicit_ekfac(train.float())
     assert method.info["damping"]["fc"] == pytest.approx(lam, rel=1e-6)
     got = method.prepare({"fc": queries})["fc"].reshape(3, -1)
@@ -111,7 +111,7 @@ def test_ekfac_equals_its_explicit_kronecker_matrix_and_the_exact_inverse_when_f
     exact_inv, _ = _explicit(diag_train.float())
     for hessian in ("ekfac", "raw"):
         method = get_method("influence", hessian=hessian)
-        method.fit(store, ["fc"])
+        method.fit(store, ["fc"], block_size=9)
         got = method.prepare({"fc": queries})["fc"].reshape(3, -1)
         assert rel_err(got, queries.reshape(3, -1) @ exact_inv) < 1e-5, hessian
 
@@ -189,7 +189,14 @@ def test_ekfac_influence_on_a_tiny_olmo_equals_the_explicit_ekfac_matrix(olmo_gr
     exact = _explicit_influence(olmo_grads)
     print(f"EK-FAC vs its explicit matrix: rel. err {rel_err(scores, want):.1e}; vs exact damped-Fisher influence: "
           f"Spearman {_spearman(scores, exact):.4f}")
-    assert res.info["hessian"] == "ekfac" and rel_err(scores, want) < 1e-4
+    assert res.info["hessian"] == "ekfac" and rel_err(scores, want) < 1e-6
+    for ratio in (1e-2, 1.0, 1e2):                       # and at other dampings, streamed in blocks of 10 rows
+        res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", damping_ratio=ratio,
+                        top_k=1, return_scores=True, block_size=10)
+        scores = res.all_scores[:, np.argsort(res.all_ids)]
+        want = sum(olmo_grads["query"][n].reshape(4, -1).double() @ _explicit_ekfac(olmo_grads["train"][n], ratio)[0]
+                   @ olmo_grads["train"][n].reshape(48, -1).double().T for n in olmo_grads["layers"])
+        assert rel_err(scores, want) < 1e-6, ratio
 
 
 def test_influence_damping_sweep(olmo_grads):
@@ -222,6 +229,8 @@ def test_influence_bad_options_are_refused(tmp_path):
         get_method("influence", damping=0.0)
     with pytest.raises(ValueError, match="rank is the rank of hessian='lorif', not of hessian='ekfac'"):
         get_method("influence", rank=16)
+    with pytest.raises(ValueError, match="not of hessian='raw'"):
+        get_method("influence", hessian="raw", rank=64)
     store = _store(tmp_path, {"fc": torch.zeros(4, 2, 2)})
     for hessian in ("ekfac", "raw", "lorif"):
         with pytest.raises(ValueError, match="zero gradients"):
