@@ -83,6 +83,18 @@ def test_lds_runs():
         assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
 
 
+def test_influence_fit_runs():
+    res = _last_json("influence_fit.py", "--num-rows", "300", "--k", "8", "--layers", "2", "--rank", "16",
+                     "--rounds", "1")
+    assert res["benchmark"] == "influence_fit" and res["num_rows"] == 300
+    r = res["results"]
+    # the fitted state is what each curvature model holds, in float64: D² (raw), D·r + r (lorif),
+    # k_out² + k_in² + k_out·k_in (ekfac), per layer
+    assert r["raw"]["state_bytes"] == 2 * 64 * 64 * 8 and r["lorif"]["state_bytes"] == 2 * (64 * 16 + 16) * 8
+    assert r["ekfac"]["state_bytes"] == 2 * 3 * 64 * 8
+    assert r["raw"]["spearman_vs_raw"] == 1.0 and 0 < r["ekfac"]["spearman_vs_raw"] < 1.0
+
+
 def test_store_query_runs(tmp_path):
     res = _last_json("store_query.py", "--n", "1500", "--batch", "512", "--cs", "1,4", "--rounds", "1",
                      "--block-size", "64", "--query-rank", "8", "--work-dir", str(tmp_path))
