@@ -24,6 +24,11 @@ Protocol (Park et al., TRAK, 2023), everything seeded:
   Raw influence is only run projected: unprojected it needs a D×D Cholesky per layer (head:
   D = 257·(d_model+1)), and with N rows lorif at rank ≥ N equals it anyway. EK-FAC runs both ways:
   its factors are k_out² + k_in² + k_out·k_in floats a layer, unprojected too.
+- Compact rows (``--compact-k``, ``--compact-c``; 0 turns them off): the store the fidelity
+  benchmark recommends, at this model's size — the KFAC eigenbasis at ``compact_k`` per side
+  (estimated from 4 training batches at the final weights), LoRIF rank-``compact_c`` factors,
+  bfloat16 on disk — scored by graddot and the default influence (ekfac), queries captured dense
+  in the same basis. No TracIn there (its basis belongs to the final weights).
 - LDS: a positive score means training on i lowers q's loss, so the prediction for S_j is
   Σ_{i∈S_j} score(q, i) and LDS = mean over queries of Spearman(prediction_j, −loss_j) across subsets.
   ± is the standard error over queries. Time per row: its gradients (capture + store write, shared
@@ -54,6 +59,8 @@ import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 from olmo_tda import CaptureConfig, GradientCapture, GradientRecord, GradientStore, StoreConfig, attribute
+from olmo_tda.capture import estimate_eigenbasis
+from olmo_tda.config import ProjectionType, StoreDType
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
 from olmo_tda.methods.tracin import tracin_cp
 
@@ -118,13 +125,17 @@ def ground_truth(args, train_data, queries):
     return masks, losses
 
 
+def summed_ce(model, chunk: torch.Tensor) -> torch.Tensor:
+    logits = model(chunk).logits[:, :-1]
+    return F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+
+
 def grads_in_batches(cap, model, data: torch.Tensor, batch: int = 64):
     """Per-example gradients of the summed token CE, ``(ids [n], {layer: [n, Ko, Ki]})`` per batch."""
     for start in range(0, len(data), batch):
         chunk = data[start:start + batch]
         with cap.record(np.arange(start, start + len(chunk))) as rec:
-            logits = model(chunk).logits[:, :-1]
-            F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").backward()
+            summed_ce(model, chunk).backward()
         model.zero_grad(set_to_none=True)
         yield rec.ids, rec.dense()
 
@@ -141,33 +152,69 @@ def ordered(result, n: int) -> np.ndarray:
     return out
 
 
-def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: int, work: Path) -> dict:
-    """``{row label: (scores [Q, N], seconds)}`` of every method at one capture config."""
-    tag = f"k={proj_dim}" if proj_dim else "exact"
+def compact_store(args, model, train_data, store: Path, steps: int):
+    """The compact configuration: the KFAC eigenbasis at ``compact_k`` per side (estimated from 4
+    batches of the training set at the final weights, timed), LoRIF rank-``compact_c`` factors,
+    bfloat16 on disk. Returns a dense capture in the same basis for the queries (exact projected
+    query gradients, not their rank-c factors)."""
+    cfg = CaptureConfig(proj_dim=args.compact_k, proj_type=ProjectionType.EIGEN, rank=args.compact_c)
+    batches = [train_data[i * args.batch:(i + 1) * args.batch] for i in range(4)]
+    estimate_eigenbasis(model, batches, summed_ce, cfg).save(store.with_suffix(".basis.safetensors"))
+    model.zero_grad(set_to_none=True)
+    cfg.basis = str(store.with_suffix(".basis.safetensors"))
+    cap = GradientCapture(model, cfg)
+    with GradientStore.create(store, cap.store_metadata(), StoreConfig(dtype=StoreDType.BFLOAT16)) as writer:
+        for start in range(0, len(train_data), 64):
+            chunk = train_data[start:start + 64]
+            with cap.record(np.arange(start, start + len(chunk))) as rec:
+                summed_ce(model, chunk).backward()
+            model.zero_grad(set_to_none=True)
+            writer.append(rec.to_record(step=steps, lr=args.lr))
+    cap.remove()
+    cfg.rank = 0
+    return GradientCapture(model, cfg)
+
+
+def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: int, work: Path,
+                       compact: bool = False) -> dict:
+    """``{row label: (scores [Q, N], seconds)}`` of every method at one capture config (``compact``:
+    :func:`compact_store`'s, scored by graddot and the default influence only)."""
+    tag = (f"eigen k={args.compact_k} c={args.compact_c} bf16" if compact else f"k={proj_dim}" if proj_dim
+           else "exact")
     steps = checkpoints[-1].step
     final = {k: v.clone() for k, v in model.state_dict().items()}
-    cap = GradientCapture(model, CaptureConfig(proj_dim=proj_dim, seed=0))
     n, rows = len(train_data), {}
     t0 = time.perf_counter()
-    store = work / f"store-{tag}"
-    with GradientStore.create(store, cap.store_metadata(), StoreConfig()) as writer:
-        for ids, grads in grads_in_batches(cap, model, train_data):
-            writer.append(GradientRecord(ids=ids, step=steps, lr=args.lr, loss_scale=1.0, grads=grads))
+    store = work / f"store-{tag.replace(' ', '_')}"
+    if compact:
+        cap = compact_store(args, model, train_data, store, steps)
+    else:
+        cap = GradientCapture(model, CaptureConfig(proj_dim=proj_dim, seed=0))
+        with GradientStore.create(store, cap.store_metadata(), StoreConfig()) as writer:
+            for ids, grads in grads_in_batches(cap, model, train_data):
+                writer.append(GradientRecord(ids=ids, step=steps, lr=args.lr, loss_scale=1.0, grads=grads))
     query_grads = stacked(cap, model, queries)
     grad_s = time.perf_counter() - t0          # shared by graddot and influence; counted in each row
 
     options = [("graddot", {"method": "graddot"})]
-    if proj_dim:
+    if compact:
+        options.append(("influence ekfac", {"method": "influence", "hessian": "ekfac",
+                                            "damping_ratio": args.damping_ratio}))
+    elif proj_dim:
         options.append(("influence raw", {"method": "influence", "hessian": "raw",
                                           "damping_ratio": args.damping_ratio}))
-    options.append(("influence lorif", {"method": "influence", "hessian": "lorif", "rank": args.rank,
-                                        "damping_ratio": args.damping_ratio}))
-    options.append(("influence ekfac", {"method": "influence", "hessian": "ekfac",
-                                        "damping_ratio": args.damping_ratio}))
+    if not compact:
+        options.append(("influence lorif", {"method": "influence", "hessian": "lorif", "rank": args.rank,
+                                            "damping_ratio": args.damping_ratio}))
+        options.append(("influence ekfac", {"method": "influence", "hessian": "ekfac",
+                                            "damping_ratio": args.damping_ratio}))
     for label, kw in options:
         t0 = time.perf_counter()
         res = attribute(store, query_grads, top_k=1, return_scores=True, projector_hash=cap.projector_hash, **kw)
         rows[f"{label} {tag}"] = (ordered(res, n), grad_s + time.perf_counter() - t0)
+    if compact:
+        cap.remove()
+        return rows
 
     def at(ckpt):
         model.load_state_dict(ckpt.state)
@@ -203,6 +250,9 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--proj-dim", type=int, default=32, help="projected capture width per side (also run exact)")
     p.add_argument("--rank", type=int, default=32, help="lorif rank r")
+    p.add_argument("--compact-k", type=int, default=16,
+                   help="the compact store's eigenbasis width per side (0: no compact rows)")
+    p.add_argument("--compact-c", type=int, default=4, help="the compact store's LoRIF rank c")
     p.add_argument("--damping-ratio", type=float, default=0.1)
     p.add_argument("--checkpoints", type=int, default=5, help="TracIn-CP checkpoints (evenly spaced, last = final)")
     p.add_argument("--threads", type=int, default=1,
@@ -229,6 +279,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="lds-") as work:
         for proj_dim in (args.proj_dim, 0):
             rows.update(attribution_scores(args, model, checkpoints, train_data, queries, proj_dim, Path(work)))
+        if args.compact_k:
+            rows.update(attribution_scores(args, model, checkpoints, train_data, queries, args.compact_k, Path(work),
+                                           compact=True))
 
     t0 = time.perf_counter()
     masks, losses = ground_truth(args, train_data, queries)
@@ -244,22 +297,32 @@ def main(argv=None):
     print(f"{args.retrains} half-subsets x 2 seeds trained in {retrain_s:.0f} s (query loss/token "
           f"{losses.mean() / (args.seq - 1):.3f}); split-half reliability {reliability:.3f} "
           f"(Spearman-Brown {ceiling:.3f})")
-    print(f"{'method':<24} {'LDS':>7} {'± se':>6} {'time s':>7}")
+    print(f"{'method':<36} {'LDS':>7} {'± se':>6} {'time s':>7}")
     lds = {}
     order = ["graddot", "tracin", "influence raw", "influence lorif", "influence ekfac"]
-    for label in sorted(rows, key=lambda s: ("exact" in s, order.index(s.rsplit(" ", 1)[0]))):
+
+    def split(label):            # (method, capture config: "k=32", "exact" or the compact store's)
+        method = next(m for m in order if label.startswith(m + " "))
+        return method, label[len(method) + 1:]
+
+    def config_rank(config):
+        return 1 if config == "exact" else 2 if config.startswith("eigen") else 0
+
+    for label in sorted(rows, key=lambda s: (config_rank(split(s)[1]), order.index(split(s)[0]))):
         scores, seconds = rows[label]
         per_query = spearman_rows(masks.astype(np.float64) @ scores.T, outcome)
         lds[label] = (float(per_query.mean()), float(per_query.std(ddof=1) / np.sqrt(len(per_query))))
-        print(f"{label:<24} {lds[label][0]:>7.3f} {lds[label][1]:>6.3f} {seconds:>7.1f}")
+        print(f"{label:<36} {lds[label][0]:>7.3f} {lds[label][1]:>6.3f} {seconds:>7.1f}")
 
     def key(label):
-        return "lds_" + label.replace(" exact", "_exact").split(" k=")[0].replace(" ", "_")
+        method, config = split(label)
+        return "lds_" + method.replace(" ", "_") + ("", "_exact", "_compact")[config_rank(config)]
 
     headline = {key(label): round(v[0], 4) for label, v in lds.items()}
     headline.update({key(label) + "_se": round(v[1], 4) for label, v in lds.items() if "exact" not in label})
     print(json.dumps({"benchmark": "lds", "retrains": args.retrains, "num_train": args.num_train,
                       "num_queries": args.num_queries, "proj_dim": args.proj_dim, "rank": args.rank,
+                      "compact": {"k": args.compact_k, "c": args.compact_c, "dtype": "bfloat16"} if args.compact_k else None,
                       "damping_ratio": args.damping_ratio, "checkpoints": len(checkpoints),
                       "reliability": round(reliability, 4),
                       "reliability_spearman_brown": round(ceiling, 4), **headline,

@@ -75,11 +75,12 @@ def test_lds_runs():
     import math
 
     res = _last_json("lds.py", "--num-train", "32", "--num-queries", "4", "--retrains", "4", "--epochs", "2",
-                     "--checkpoints", "2", "--proj-dim", "8", "--rank", "4", "--d-model", "16", "--n-layers", "1")
+                     "--checkpoints", "2", "--proj-dim", "8", "--rank", "4", "--d-model", "16", "--n-layers", "1",
+                     "--compact-k", "8", "--compact-c", "2")
     assert res["benchmark"] == "lds" and res["retrains"] == 4
     for key in ("reliability", "lds_graddot", "lds_tracin", "lds_influence_raw", "lds_influence_lorif",
                 "lds_influence_ekfac", "lds_graddot_exact", "lds_tracin_exact", "lds_influence_lorif_exact",
-                "lds_influence_ekfac_exact"):
+                "lds_influence_ekfac_exact", "lds_graddot_compact", "lds_influence_ekfac_compact"):
         assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
 
 
