@@ -322,7 +322,8 @@ def main(argv=None):
     headline.update({key(label) + "_se": round(v[1], 4) for label, v in lds.items() if "exact" not in label})
     print(json.dumps({"benchmark": "lds", "retrains": args.retrains, "num_train": args.num_train,
                       "num_queries": args.num_queries, "proj_dim": args.proj_dim, "rank": args.rank,
-                      "compact": {"k": args.compact_k, "c": args.compact_c, "dtype": "bfloat16"} if args.compact_k else None,
+                      "compact": ({"k": args.compact_k, "c": args.compact_c, "dtype": "bfloat16"}
+                                  if args.compact_k else None),
                       "damping_ratio": args.damping_ratio, "checkpoints": len(checkpoints),
                       "reliability": round(reliability, 4),
                       "reliability_spearman_brown": round(ceiling, 4), **headline,
