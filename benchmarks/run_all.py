@@ -35,6 +35,7 @@ OTHERS = {
     "projection_fidelity": [],
     "tied_head_fidelity": [],
     "lds": ["--quick"],
+    "influence_fit": ["--quick"],
     "selection": ["--quick"],
 }
 

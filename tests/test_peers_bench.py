@@ -78,6 +78,31 @@ def test_our_adapter_unprojected_equals_exact(workdir, tmp_path):
     assert res["examples_per_s"] > 0 and res["bytes_per_example"] > 0 and res["peak_rss_mb"] > 0
 
 
+def test_unprojected_ekfac_row_equals_ekfac_built_from_the_exact_gradients(workdir, tmp_path):
+    """The "olmo_tda unprojected, EK-FAC" row (full gradients stored, hessian=ekfac) against EK-FAC
+    assembled here from the torch.func gradients, layer by layer (influence_levers' dense helper)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.peers import influence_levers as IL
+
+    out = tmp_path / "full.json"
+    subprocess.run([sys.executable, str(PEERS / "worker.py"), "olmo_tda_full", "infl", str(workdir), str(out)],
+                   check=True, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["ok"], res.get("traceback")
+    assert "hessian=ekfac" in res["settings"]
+    _, model, train, query = W.load(workdir)
+    g, q = W.exact_gradients(model, train).double(), W.exact_gradients(model, query).double()
+    want, lo = 0, 0
+    for name in W.linear_names(model):
+        shape = dict(model.named_modules())[name].weight.shape
+        size = shape.numel()
+        want = want + IL.projected_ekfac_scores(g[:, lo:lo + size].reshape(-1, *shape),
+                                                q[:, lo:lo + size].reshape(-1, *shape))
+        lo += size
+    got = np.load(out.with_suffix(".npy"))
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+
+
 def test_worker_reports_a_failure_with_its_reason(workdir, tmp_path):
     out = tmp_path / "tr.json"
     rc = subprocess.run([sys.executable, str(PEERS / "worker.py"), "traker", "overhead", str(workdir), str(out)],

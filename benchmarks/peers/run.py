@@ -48,12 +48,15 @@ from workload import RELATIVE_DAMPING, Workload, prepare, spearman_rows  # noqa:
 OURS = "olmo_tda"
 OURS_EIGEN = "olmo_tda_eigen"       # our data-aware projection at the same bytes (fidelity row)
 OURS_HEAD = "olmo_tda_head"         # ... with the head given more of the same (or fewer) bytes
-OUR_ROWS = (OURS, OURS_EIGEN, OURS_HEAD)
+OURS_FULL = "olmo_tda_full"         # unprojected store + EK-FAC: Kronfluence's setting, not the same floats
+OUR_ROWS = (OURS, OURS_EIGEN, OURS_HEAD, OURS_FULL)
+UNPROJECTED = (OURS_FULL, "kronfluence")     # compared with each other, not with the k-floats rows
 HEADLINE_PEER = "dattri_llm"
 SYSTEMS = [*OUR_ROWS, *venvs.PEERS]
 IN_LOOP = (OURS, "dattri_llm", "logix")
 LABELS = {"olmo_tda": "olmo_tda", "olmo_tda_eigen": "olmo_tda eigen + LoRIF c=1",
-          "olmo_tda_head": "olmo_tda eigen, head-weighted", "dattri_llm": "dattri-llm", "kronfluence": "Kronfluence", "dattri": "dattri",
+          "olmo_tda_head": "olmo_tda eigen, head-weighted", "olmo_tda_full": "olmo_tda unprojected, EK-FAC",
+          "dattri_llm": "dattri-llm", "kronfluence": "Kronfluence", "dattri": "dattri",
           "traker": "TRAK (traker)", "logix": "LogIX (logix-ai)"}
 
 
@@ -137,8 +140,12 @@ def headline(rows: dict) -> dict:
     # a same-k comparison; it is reported in its row
     same_bytes = {s: r for s, r in peers.items() if r.get("bytes_per_example")}
     best = max(same_bytes, key=lambda s: same_bytes[s].get("spearman") or -1, default=None)
-    ours_best = max((r.get("spearman") or -1 for s, r in rows.items() if s in OUR_ROWS and r.get("ok")),
-                    default=None)
+    ours_best = max((r.get("spearman") or -1 for s, r in rows.items()
+                     if s in OUR_ROWS and s not in UNPROJECTED and r.get("ok")), default=None)
+
+    def best_influence(mine: bool, unprojected: bool):
+        return max((r.get("influence_spearman") or -1 for s, r in rows.items()
+                    if (s in OUR_ROWS) == mine and (s in UNPROJECTED) == unprojected and r.get("ok")), default=None)
     return {
         "throughput_vs_dattri_llm": peer.get("throughput_ratio"),
         "overhead_vs_dattri_llm": peer.get("overhead_ratio"),
@@ -148,10 +155,11 @@ def headline(rows: dict) -> dict:
         "spearman_ours_best": ours_best,
         "spearman_best_peer": same_bytes[best].get("spearman") if best else None,
         "best_peer": best,
-        "influence_spearman_ours_best": max((r.get("influence_spearman") or -1 for s, r in rows.items()
-                                             if s in OUR_ROWS), default=None),
-        "influence_spearman_best_peer": max((r.get("influence_spearman") or -1 for s, r in rows.items()
-                                             if s not in OUR_ROWS), default=None),
+        # influence agreement at the same stored floats, and unprojected (ours stored, Kronfluence recomputed)
+        "influence_spearman_ours_best": best_influence(True, False),
+        "influence_spearman_best_peer": best_influence(False, False),
+        "influence_spearman_ours_unprojected": best_influence(True, True),
+        "influence_spearman_kronfluence": best_influence(False, True),
     }
 
 
@@ -222,9 +230,11 @@ def markdown(result: dict) -> str:
                  f"{LABELS.get(h['best_peer'], '—')} {fmt(h['spearman_best_peer'], '.3f')}.")
     lines.append("")
     lines.append(f"Curvature: influence with each system's own damped curvature at λ = {RELATIVE_DAMPING} × its mean "
-                 f"eigenvalue, against exact per-layer damped empirical-Fisher influence (unprojected, Woodbury): "
-                 f"best of ours {fmt(h['influence_spearman_ours_best'], '.3f')}, best peer "
-                 f"{fmt(h['influence_spearman_best_peer'], '.3f')}.")
+                 f"eigenvalue, against exact per-layer damped empirical-Fisher influence (unprojected, Woodbury). "
+                 f"At the same stored floats: best of ours {fmt(h['influence_spearman_ours_best'], '.3f')}, best "
+                 f"peer {fmt(h['influence_spearman_best_peer'], '.3f')}. Unprojected: olmo_tda's stored full "
+                 f"gradients with EK-FAC {fmt(h['influence_spearman_ours_unprojected'], '.3f')}, Kronfluence's "
+                 f"EK-FAC {fmt(h['influence_spearman_kronfluence'], '.3f')}.")
     lines.append("")
     lines.append("Where a peer beats olmo_tda (its default row) by more than 5% on this run:")
     lines += [f"- {item}" for item in losses(rows)] or ["- nowhere"]

@@ -44,7 +44,7 @@ logging.disable(logging.WARNING)
 
 
 def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, head_budget: bool = False,
-                  influence: bool = False) -> dict:
+                  influence: bool = False, unprojected: bool = False) -> dict:
     from olmo_tda import CaptureConfig, GradientCapture
     from olmo_tda.capture import activation_grads_only, estimate_eigenbasis
     from olmo_tda.config import LayerOverride, ProjectionType, StoreConfig
@@ -68,6 +68,9 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
             basis = estimate_eigenbasis(model, batches, lambda m, b: example_losses(m(b), b).sum(), cfg)
             basis.save(tmp / "basis.safetensors")
             cfg.basis = str(tmp / "basis.safetensors")
+        elif unprojected:
+            # Kronfluence's setting: no projection, every example's full gradient (here stored)
+            cfg = CaptureConfig(proj_dim=0)
         else:
             cfg = CaptureConfig(proj_dim=w.k, seed=0)
         cap = GradientCapture(model, cfg)
@@ -85,8 +88,10 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
                 example_losses(model(query), query).sum().backward()
         # influence: explicit per-layer projected Fisher, λ_l = 0.1·tr(F_l)/D_l (our default damping). Not
         # our default hessian (ekfac, which predicts retraining better): raw is our closest to the exact
-        # damped-Fisher influence this column measures (benchmarks/peers/influence_levers.py)
-        method = {"method": "influence", "hessian": "raw", "damping_ratio": RELATIVE_DAMPING} if influence \
+        # damped-Fisher influence this column measures (benchmarks/peers/influence_levers.py). Unprojected,
+        # raw would be a D×D matrix per layer (the head: 16384²), so that row uses ekfac, as Kronfluence does
+        hessian = "ekfac" if unprojected else "raw"
+        method = {"method": "influence", "hessian": hessian, "damping_ratio": RELATIVE_DAMPING} if influence \
             else {"method": "graddot"}
         res = attribute(GradientStore.open(tmp / "store"), qrec, top_k=100, return_scores=True, **method)
     order = np.argsort(res.all_ids)
@@ -98,7 +103,7 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
             batch = train[lo:lo + w.batch]
             example_losses(model(batch), batch).sum().backward()
     model.zero_grad(set_to_none=True)
-    kind = f"proj_dim={w.k}, orthogonal random"
+    kind = "proj_dim=0 (unprojected)" if unprojected else f"proj_dim={w.k}, orthogonal random"
     if eigen:
         kind = (f"proj_dim={cfg.proj_dim}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank=1"
                 + (f", overrides=[head: proj_dim={8 * w.k}, rank=3]" if head_budget else ""))
@@ -491,7 +496,8 @@ def logix_loop(w, model, opt, tmp: Path):
 
 def _ours_infl(*a, **kw) -> dict:
     r = olmo_tda_attr(*a, influence=True, **kw)
-    return {"infl_s": r["query_s"], "scores": r["scores"], "settings": "influence hessian=raw, damping_ratio 0.1"}
+    hessian = "ekfac" if kw.get("unprojected") else "raw"
+    return {"infl_s": r["query_s"], "scores": r["scores"], "settings": f"influence hessian={hessian}, damping_ratio 0.1"}
 
 
 SYSTEMS = {
@@ -499,6 +505,8 @@ SYSTEMS = {
     "olmo_tda_eigen": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True)},
     "olmo_tda_head": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True, head_budget=True),
                       "infl": lambda *a: _ours_infl(*a, eigen=True, head_budget=True)},
+    "olmo_tda_full": {"attr": lambda *a: olmo_tda_attr(*a, unprojected=True),
+                      "infl": lambda *a: _ours_infl(*a, unprojected=True)},
     "dattri_llm": {"attr": dattri_llm_attr, "loop": dattri_llm_loop, "infl": dattri_llm_infl},
     "dattri": {"attr": dattri_attr, "infl": dattri_infl},
     "traker": {"attr": traker_attr, "infl": lambda *a: traker_attr(*a, influence=True)},
