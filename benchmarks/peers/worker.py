@@ -497,7 +497,8 @@ def logix_loop(w, model, opt, tmp: Path):
 def _ours_infl(*a, **kw) -> dict:
     r = olmo_tda_attr(*a, influence=True, **kw)
     hessian = "ekfac" if kw.get("unprojected") else "raw"
-    return {"infl_s": r["query_s"], "scores": r["scores"], "settings": f"influence hessian={hessian}, damping_ratio 0.1"}
+    return {"infl_s": r["query_s"], "scores": r["scores"],
+            "settings": f"influence hessian={hessian}, damping_ratio 0.1"}
 
 
 SYSTEMS = {
