@@ -15,9 +15,9 @@ over the store's N rows, D_l = k_out·k_in the flattened width of layer l.
   gradients, ``Λ = (1/N) Σ (U_Sᵀ Ĝ U_A)²`` (the eigenvalue correction), so
   ``F ≈ (U_S ⊗ U_A) diag(Λ) (U_S ⊗ U_A)ᵀ``: the part of F that is diagonal in that basis, with the
   same trace. ``(F+λI)⁻¹q = U_S [(U_Sᵀ q U_A) / (Λ + λ)] U_Aᵀ``. Two passes, memory
-  O(k_out² + k_in² + D) per layer. Exact when F is diagonal in a Kronecker basis; otherwise an
-  approximation of ``raw`` for projections too wide for a D×D matrix (k=64 per side: 32 KiB of
-  factors a layer instead of 128 MiB).
+  O(k_out² + k_in² + D) per layer (k=64 per side: 96 KiB a layer, where raw holds 128 MiB). Exact
+  when F is diagonal in a Kronecker basis; otherwise an approximation of ``raw``. The default: it
+  predicts retraining best (``benchmarks/lds.py``), though it agrees less with the exact inverse.
 
 Damping ``λ_l`` defaults to ``damping_ratio · tr(F_l)/D_l`` (0.1: the usual LoGRA choice); a number
 passed as ``damping`` is used for every layer. It dominates quality, so the values used are in
@@ -257,8 +257,8 @@ class Influence:
                 if json.loads(meta["layers"]) != list(layers):
                     return False
                 factors = {}
+                keys = {"raw": ["chol"], "lorif": ["vecs", "evals"], "ekfac": ["u_out", "u_in", "evals"]}
                 for i, name in enumerate(layers):
-                    keys = {"raw": ["chol"], "lorif": ["vecs", "evals"], "ekfac": ["u_out", "u_in", "evals"]}
                     parts = [f.get_tensor(f"{i}.{key}") for key in keys[self.hessian]]
                     factors[name] = parts[0] if self.hessian == "raw" else tuple(parts)
                 info = json.loads(meta["info"])
