@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lds import spearman_rows          # per-query Spearman, shared with the LDS benchmark
 from olmo_tda.config import StoreConfig
 from olmo_tda.methods import get_method
 from olmo_tda.store import GradientRecord, GradientStore
@@ -67,14 +68,6 @@ def state_bytes(method) -> int:
         for t in (factor if isinstance(factor, tuple) else (factor,)):
             total += t.numel() * t.element_size()
     return total
-
-
-def spearman_rows(a: torch.Tensor, b: torch.Tensor) -> float:
-    def ranks(x):
-        return x.argsort(dim=1).argsort(dim=1).double()
-    ra, rb = ranks(a), ranks(b)
-    ra, rb = ra - ra.mean(1, keepdim=True), rb - rb.mean(1, keepdim=True)
-    return float(((ra * rb).sum(1) / (ra.norm(dim=1) * rb.norm(dim=1))).mean())
 
 
 def main(argv=None) -> dict:
@@ -119,7 +112,8 @@ def main(argv=None) -> dict:
         result[h] = {"fit_s": round(statistics.median(fit_s[h]), 3),
                      "prepare_ms": round(1e3 * statistics.median(prep_s[h]), 2),
                      "state_bytes": state_bytes(fitted[h][0]),
-                     "spearman_vs_raw": round(spearman_rows(scores[h], scores["raw"]), 4)}
+                     "spearman_vs_raw": round(float(np.mean(spearman_rows(scores[h].numpy().T,
+                                                                            scores["raw"].numpy().T))), 4)}
         r = result[h]
         print(f"{h:<8} {r['fit_s']:>8.2f} {r['prepare_ms']:>11.2f} {r['state_bytes'] / 2**20:>10.2f} "
               f"{r['spearman_vs_raw']:>7.3f}")

@@ -130,13 +130,19 @@ def summed_ce(model, chunk: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
 
 
-def grads_in_batches(cap, model, data: torch.Tensor, batch: int = 64):
-    """Per-example gradients of the summed token CE, ``(ids [n], {layer: [n, Ko, Ki]})`` per batch."""
+def recordings(cap, model, data: torch.Tensor, batch: int = 64):
+    """One capture recording of the summed token CE's per-example gradients per batch."""
     for start in range(0, len(data), batch):
         chunk = data[start:start + batch]
         with cap.record(np.arange(start, start + len(chunk))) as rec:
             summed_ce(model, chunk).backward()
         model.zero_grad(set_to_none=True)
+        yield rec
+
+
+def grads_in_batches(cap, model, data: torch.Tensor, batch: int = 64):
+    """Per-example gradients of the summed token CE, ``(ids [n], {layer: [n, Ko, Ki]})`` per batch."""
+    for rec in recordings(cap, model, data, batch):
         yield rec.ids, rec.dense()
 
 
@@ -164,11 +170,7 @@ def compact_store(args, model, train_data, store: Path, steps: int):
     cfg.basis = str(store.with_suffix(".basis.safetensors"))
     cap = GradientCapture(model, cfg)
     with GradientStore.create(store, cap.store_metadata(), StoreConfig(dtype=StoreDType.BFLOAT16)) as writer:
-        for start in range(0, len(train_data), 64):
-            chunk = train_data[start:start + 64]
-            with cap.record(np.arange(start, start + len(chunk))) as rec:
-                summed_ce(model, chunk).backward()
-            model.zero_grad(set_to_none=True)
+        for rec in recordings(cap, model, train_data):
             writer.append(rec.to_record(step=steps, lr=args.lr))
     cap.remove()
     cfg.rank = 0

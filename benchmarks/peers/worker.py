@@ -109,7 +109,8 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
                 + (f", overrides=[head: proj_dim={8 * w.k}, rank=3]" if head_budget else ""))
     return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "store"),
             "bare_pass_examples_per_s": len(train) / c_bare.seconds,
-            "scores": scores, "settings": f"CaptureConfig({kind}), graddot, fp32 HDF5 store"}
+            "scores": scores, "settings": f"CaptureConfig({kind}), graddot, fp32 HDF5 store",
+            "influence_settings": f"influence hessian={method.get('hessian')}, damping_ratio {RELATIVE_DAMPING}"}
 
 
 def olmo_tda_loop(w, model, opt, tmp: Path):
@@ -496,9 +497,7 @@ def logix_loop(w, model, opt, tmp: Path):
 
 def _ours_infl(*a, **kw) -> dict:
     r = olmo_tda_attr(*a, influence=True, **kw)
-    hessian = "ekfac" if kw.get("unprojected") else "raw"
-    return {"infl_s": r["query_s"], "scores": r["scores"],
-            "settings": f"influence hessian={hessian}, damping_ratio 0.1"}
+    return {"infl_s": r["query_s"], "scores": r["scores"], "settings": r["influence_settings"]}
 
 
 SYSTEMS = {
