@@ -164,6 +164,14 @@ class CaptureConfig:
     and, when the file does not exist yet, estimates it before the first step."""
     basis_batches: int = 4
     """Training batches (per rank) a run uses to estimate a missing eigenbasis, at its initial weights."""
+    budget: int = 0
+    """Floats per example over all captured layers, split by the eigenbasis estimate (``proj_type:
+    eigen`` only; 0 = off, every layer gets ``proj_dim``). Each layer's share follows the number of
+    its Kronecker eigen-directions whose K-FAC curvature exceeds influence's default damping
+    (0.1 × the mean), and its ``(k_out, k_in)`` is the rectangle of top eigenvectors that keeps the
+    most effective dimension ``Σ κ/(κ+λ)`` within the share; ``proj_dim`` caps each side. The shapes
+    are frozen in the basis file. At the same floats this agrees with exact influence better than an
+    even split (docs/BENCHMARKS.md, peers)."""
     overrides: list[LayerOverride] = field(default_factory=list)
     """Per-layer budgets, e.g. ``[{modules: ["*ff_out"], proj_dim: 64, rank: 3}]``: give the layers
     that carry most of the score (an LM's output head) more of the bytes. First match wins."""
@@ -190,6 +198,14 @@ class CaptureConfig:
         _check(not (self.embeddings and self.proj_type is ProjectionType.EIGEN and not self.exact),
                f"{path}.embeddings", "is not supported with proj_type 'eigen' (the eigenbasis covers Linear layers "
                "only): use a random proj_type, or embeddings: false")
+        _check(self.budget >= 0, f"{path}.budget", f"must be >= 0 (0 = off), got {self.budget}")
+        if self.budget:
+            _check(self.proj_type is ProjectionType.EIGEN and not self.exact, f"{path}.budget",
+                   f"splits floats across layers by their eigenbasis spectra: it needs proj_type 'eigen' and a "
+                   f"nonzero proj_dim (the cap per side), got proj_type {self.proj_type.value!r}, proj_dim "
+                   f"{self.proj_dim!r}")
+            _check(all(o.proj_dim is None for o in self.overrides), f"{path}.overrides",
+                   "cannot set proj_dim when capture.budget allocates the layers' widths (rank is allowed)")
         for i, o in enumerate(self.overrides):
             where = f"{path}.overrides[{i}]"
             _check(len(o.modules) > 0, f"{where}.modules", "needs at least one pattern")

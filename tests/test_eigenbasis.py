@@ -413,8 +413,10 @@ def test_eigen_ranks_better_than_random_at_same_k(tmp_path):
 # OLMo: estimated before the first step, frozen across resume, found by queries
 
 
-# three OLMo processes: about 40 s on 2 cores (the basis frozen with the run is the feature; keep it in CI)
-def test_olmo_run_estimates_basis_once_and_queries_use_it(tmp_path):
+# three OLMo processes: about 40 s on 2 cores (the basis frozen with the run is the feature; keep it in CI);
+# with capture.budget the widths are allocated there too, frozen in the file, and the queries follow them
+@pytest.mark.parametrize("budget", [0, 300])
+def test_olmo_run_estimates_basis_once_and_queries_use_it(tmp_path, budget):
     import subprocess
     import sys
 
@@ -437,7 +439,8 @@ def test_olmo_run_estimates_basis_once_and_queries_use_it(tmp_path):
                f"--stop_at={steps}", "--model.d_model=64", "--model.n_heads=4", f"--model.max_sequence_length={seq}",
                f"--global_train_batch_size={gbs}", "--device_train_microbatch_size=2", "--console_log_interval=1000",
                "--save_interval_unsharded=1", "--save_num_unsharded_checkpoints_to_keep=-1",
-               "--tda.capture.proj_type=eigen", "--tda.capture.proj_dim=8", "--tda.capture.basis_batches=2", *extra]
+               "--tda.capture.proj_type=eigen", "--tda.capture.proj_dim=8", "--tda.capture.basis_batches=2",
+               f"--tda.capture.budget={budget}", *extra]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -459,7 +462,12 @@ def test_olmo_run_estimates_basis_once_and_queries_use_it(tmp_path):
     # estimated at the initial weights over the first two batches: the covariances' eigenvalues agree
     covs = estimate_covariances(model_at(0), [data[np.asarray(order[: 2 * gbs], dtype=np.int64)]], olmo_loss,
                                 CaptureConfig(proj_dim=8))
-    oracle = eigenbasis_from_covariances(covs, 8)
+    oracle = eigenbasis_from_covariances(covs, 8, budget=budget)
+    assert basis.budget == budget
+    assert {n: basis.dims(n) for n in basis.layers} == {n: oracle.dims(n) for n in oracle.layers}
+    if budget:
+        widths = [basis.dims(n) for n in basis.layers]
+        assert len(set(widths)) > 1 and sum(a * b for a, b in widths) <= budget
     for name, lb in basis.layers.items():
         assert rel_err(lb.eigvals_in, oracle.layer(name).eigvals_in) < 1e-4, name
         assert rel_err(lb.eigvals_out, oracle.layer(name).eigvals_out) < 1e-4, name

@@ -54,7 +54,8 @@ from ..config import CaptureConfig, ConfigError
 from .projection import MatrixProjector, matrices_digest
 
 __all__ = ["EigenBasis", "EigenBasisError", "EigenProjector", "KroneckerCovariance", "LayerBasis",
-           "estimate_covariances", "eigenbasis_from_covariances", "estimate_eigenbasis"]
+           "allocate_budget", "best_rectangle", "split_budget", "estimate_covariances", "eigenbasis_from_covariances",
+           "estimate_eigenbasis"]
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +113,25 @@ class EigenBasis:
     with equal digests project identically. ``path`` is where it was loaded from / saved to.
     """
 
-    def __init__(self, layers: dict[str, LayerBasis], *, path: str | os.PathLike[str] | None = None):
+    def __init__(self, layers: dict[str, LayerBasis], *, path: str | os.PathLike[str] | None = None,
+                 budget: int = 0):
         if not layers:
             raise EigenBasisError("an eigenbasis needs at least one layer")
         self.layers = dict(sorted(layers.items()))
         self.path = Path(path) if path is not None else None
+        self.budget = int(budget)
+        """``capture.budget`` the widths were allocated for (0: not allocated). When nonzero each
+        layer's ``(k_out, k_in)`` is the number of eigenvectors it keeps per side (:meth:`dims`)."""
         self.digest = _digest(self.layers)
 
     def __repr__(self) -> str:
-        return f"EigenBasis({len(self.layers)} layers, digest={self.digest[:16]}, path={self.path})"
+        return (f"EigenBasis({len(self.layers)} layers, digest={self.digest[:16]}, path={self.path}"
+                + (f", budget={self.budget})" if self.budget else ")"))
+
+    def dims(self, name: str) -> tuple[int, int]:
+        """``(k_out, k_in)`` the layer keeps: its allocated width when the basis is budgeted."""
+        lb = self.layer(name)
+        return lb.proj_out.shape[0], lb.proj_in.shape[0]
 
     @property
     def num_tokens(self) -> int:
@@ -147,7 +158,7 @@ class EigenBasis:
         """The JSON header stored in the file's metadata."""
         return {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "digest": self.digest,
-            "num_tokens": self.num_tokens,
+            "num_tokens": self.num_tokens, "budget": self.budget,
             "convention": "rows = eigenvectors of E[a a^T] (in, bias column last) and E[g g^T] (out, g = grad "
                           "of the summed token loss), largest eigenvalue first, largest-|entry| positive; unscaled",
             "layers": {n: {"n_out": lb.n_out, "n_in": lb.n_in, "k_out": lb.proj_out.shape[0],
@@ -226,7 +237,7 @@ class EigenBasis:
                 raise EigenBasisError(f"eigenbasis {path}: layer {name!r} has matrices {tuple(lb.proj_out.shape)}, "
                                       f"{tuple(lb.proj_in.shape)} but its header says {want}")
             layers[name] = lb
-        basis = cls(layers, path=path)
+        basis = cls(layers, path=path, budget=int(header.get("budget", 0)))
         if basis.digest != header.get("digest"):
             raise EigenBasisError(f"eigenbasis {path} is corrupt: its matrices hash to {basis.digest[:16]}, "
                                   f"its header says {str(header.get('digest'))[:16]}")
@@ -296,8 +307,11 @@ class EigenProjector(MatrixProjector):
         if k >= n:
             return torch.eye(n)
         if k > stored:
+            hint = (f" (its widths were allocated for capture.budget {basis.budget}: set capture.budget: "
+                    f"{basis.budget} to use them)" if basis.budget else "")
             raise EigenBasisError(f"eigenbasis {basis.where()}: layer {name!r} keeps {stored} {side}put eigenvectors "
-                                  f"but capture.proj_dim asks for {k}; re-estimate the basis with proj_dim >= {k}")
+                                  f"but capture.proj_dim asks for {k}; re-estimate the basis with proj_dim >= {k}"
+                                  + hint)
         return stored_KN[:k].float().clone()
 
     def spec(self) -> dict[str, Any]:
@@ -436,26 +450,99 @@ def _all_reduce(covs: dict[str, KroneckerCovariance], modules: dict[str, nn.Line
     return out
 
 
-def _top_eigenvectors(cov: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(vectors [min(k, n), n] float32, values [min(k, n)] float64)`` of a symmetric float64 matrix,
-    largest eigenvalue first, each row's largest-|entry| (first on ties) positive."""
+def _eigh_desc(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(vectors [n, n] float64 rows, values [n] float64)`` of a symmetric matrix, largest eigenvalue
+    first, each row's largest-|entry| (first on ties) positive."""
     values, vectors = torch.linalg.eigh(cov.detach().to("cpu", torch.float64))
-    k = min(k, cov.shape[0])
-    values, rows = values.flip(0)[:k], vectors.flip(1)[:, :k].T.contiguous()
+    values, rows = values.flip(0), vectors.flip(1).T.contiguous()
     pivot = rows.abs().argmax(dim=1, keepdim=True)
     rows *= torch.where(rows.gather(1, pivot) < 0, -1.0, 1.0).to(rows.dtype)
-    return rows.to(torch.float32).contiguous(), values.contiguous()
+    return rows, values.contiguous()
 
 
-def eigenbasis_from_covariances(covs: dict[str, KroneckerCovariance], k: int | tuple[int, int]) -> EigenBasis:
+BUDGET_DAMPING = 0.1
+"""λ of the budget split, relative to the mean K-FAC eigenvalue: influence's default damping ratio."""
+
+
+def _damping(ev_out: torch.Tensor, ev_in: torch.Tensor, damping: float) -> float:
+    """``λ = damping · mean κ`` over the layer's whole ``κ = s ⊗ a`` grid."""
+    return damping * float(ev_out.sum()) * float(ev_in.sum()) / (len(ev_out) * len(ev_in))
+
+
+def split_budget(weights: dict[str, float], budget: int) -> dict[str, int]:
+    """``budget`` floats as ``{layer: share}``: one float each, the rest in proportion to ``weights``
+    (largest remainders), so the shares sum to exactly ``budget``."""
+    names = sorted(weights)
+    if budget < len(names):
+        raise EigenBasisError(f"capture.budget is {budget} floats per example but {len(names)} layers are "
+                              f"captured: every layer needs at least one (raise the budget or capture fewer layers)")
+    total = sum(weights.values())
+    quota = {n: (budget - len(names)) * (weights[n] / total if total > 0 else 1 / len(names)) for n in names}
+    share = {n: 1 + int(quota[n]) for n in names}
+    for n in sorted(names, key=lambda n: (int(quota[n]) - quota[n], n))[:budget - sum(share.values())]:
+        share[n] += 1
+    return share
+
+
+def best_rectangle(ev_out: torch.Tensor, ev_in: torch.Tensor, share: int, cap: tuple[int, int],
+                   damping: float = BUDGET_DAMPING) -> tuple[int, int]:
+    """The ``(a, b)``, ``a·b <= share``, each side at most ``cap`` and the layer's width, whose top
+    ``a × b`` eigenvector rectangle holds the most effective dimension ``Σ κ/(κ+λ)`` (``κ = s_o·a_i``
+    from the descending spectra, ``λ = damping · mean κ``); the narrowest output side on ties."""
+    ev_out, ev_in = (v.to(torch.float64).clamp(min=0) for v in (ev_out, ev_in))
+    lam = _damping(ev_out, ev_in, damping)
+    kappa = torch.outer(ev_out[:min(cap[0], len(ev_out))], ev_in[:min(cap[1], len(ev_in))])
+    value = kappa / (kappa + lam) if lam > 0 else torch.zeros_like(kappa)
+    mass = value.cumsum(0).cumsum(1)                 # mass[a-1, b-1]: Σ over the top a × b rectangle
+    best = None
+    for a in range(1, min(mass.shape[0], share) + 1):
+        b = min(mass.shape[1], share // a)
+        kept = float(mass[a - 1, b - 1])
+        if best is None or kept > best[0] + 1e-12:
+            best = (kept, a, b)
+    return best[1], best[2]
+
+
+def allocate_budget(spectra: dict[str, tuple[torch.Tensor, torch.Tensor]], budget: int,
+                    cap: tuple[int, int], damping: float = BUDGET_DAMPING) -> dict[str, tuple[int, int]]:
+    """Split ``budget`` floats per example across layers: ``{name: (k_out, k_in)}``.
+
+    ``spectra[name] = (eigenvalues of E[g gᵀ], of E[a aᵀ])``, descending. The K-FAC curvature of the
+    Kronecker direction ``(o, i)`` is ``κ = s_o·a_i``, and influence damps it with
+    ``λ = damping · mean κ``. Directions with ``κ > λ`` are the ones the damped inverse keeps
+    (each carries about the same weight in an influence score, the rest are damped away), so a layer's
+    share of the budget is proportional to their count (:func:`split_budget`), and within it the layer
+    keeps :func:`best_rectangle`.
+    """
+    counts = {}
+    for name, (ev_out, ev_in) in spectra.items():
+        ev_out, ev_in = (v.to(torch.float64).clamp(min=0) for v in (ev_out, ev_in))
+        lam = _damping(ev_out, ev_in, damping)
+        # #{s_o·a_i > λ} without forming the n_out × n_in grid: per o, the a_i above λ / s_o
+        above = len(ev_in) - torch.searchsorted(ev_in.flip(0), lam / ev_out.clamp(min=1e-300), right=True)
+        counts[name] = max(int(above.sum()), 1) if lam > 0 else 1
+    shares = split_budget(counts, budget)
+    return {name: best_rectangle(*spectra[name], shares[name], cap, damping) for name in sorted(spectra)}
+
+
+def eigenbasis_from_covariances(covs: dict[str, KroneckerCovariance], k: int | tuple[int, int], *,
+                                budget: int = 0, dims: dict[str, tuple[int, int]] | None = None) -> EigenBasis:
     """Top-``k`` eigenvectors (``k``: both sides, or ``(k_out, k_in)``) of each layer's covariances;
-    a side narrower than its k keeps its full eigenbasis (a projector uses the identity there)."""
+    a side narrower than its k keeps its full eigenbasis (a projector uses the identity there).
+
+    ``budget`` > 0: each layer keeps the widths :func:`allocate_budget` gives it (``k`` caps each side),
+    or ``dims`` when given (a distributed estimate uses rank 0's split)."""
     k_out, k_in = (k, k) if isinstance(k, int) else k
+    decomposed = {name: (_eigh_desc(cov.mean()[0]), _eigh_desc(cov.mean()[1])) for name, cov in covs.items()}
+    if budget and dims is None:
+        dims = allocate_budget({n: (d[0][1], d[1][1]) for n, d in decomposed.items()}, budget, (k_out, k_in))
     layers = {}
     for name, cov in covs.items():
         cov_out, cov_in = cov.mean()
-        p_out, v_out = _top_eigenvectors(cov_out, k_out)
-        p_in, v_in = _top_eigenvectors(cov_in, k_in)
+        (rows_out, vals_out), (rows_in, vals_in) = decomposed[name]
+        ko, ki = dims[name] if budget else (k_out, k_in)
+        p_out, v_out = rows_out[:ko].float().contiguous(), vals_out[:ko].contiguous()
+        p_in, v_in = rows_in[:ki].float().contiguous(), vals_in[:ki].contiguous()
         layers[name] = LayerBasis(proj_out=p_out, proj_in=p_in, eigvals_out=v_out, eigvals_in=v_in,
                                   trace_out=float(torch.trace(cov_out)), trace_in=float(torch.trace(cov_in)),
                                   bias=cov.bias, num_tokens=cov.num_tokens)
@@ -465,7 +552,7 @@ def eigenbasis_from_covariances(covs: dict[str, KroneckerCovariance], k: int | t
                 log.warning("eigenbasis: layer %s %sput side has only %d directions with variance among its top %d "
                             "(from %d tokens); the rest are arbitrary null-space directions: use more tokens",
                             name, side, live, values.numel(), cov.num_tokens)
-    return EigenBasis(layers)
+    return EigenBasis(layers, budget=budget)
 
 
 def estimate_eigenbasis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
@@ -490,9 +577,17 @@ def estimate_eigenbasis(model: nn.Module, batches: Iterable[Any], loss_fn: Calla
     if (k if isinstance(k, int) else min(k)) < 1:
         raise ValueError(f"k must be >= 1 per side (capture.proj_dim is {config.proj_dim!r}; 0 means exact)")
     covs = estimate_covariances(model, batches, loss_fn, config, distributed=distributed)
-    basis = eigenbasis_from_covariances(covs, k)
+    basis = eigenbasis_from_covariances(covs, k, budget=config.budget)
     if distributed and dist.get_world_size() > 1:
+        if config.budget:       # the split of rank 0 (eigh may differ in the last bit across ranks)
+            dims = _broadcast_dims(basis)
+            if dims != {n: basis.dims(n) for n in basis.layers}:
+                basis = eigenbasis_from_covariances(covs, k, budget=config.budget, dims=dims)
         basis = _broadcast(basis)
+    if config.budget:
+        log.info("eigenbasis: capture.budget %d floats per example split over %d layers (%d used): %s", config.budget,
+                 len(basis.layers), sum(a * b for a, b in map(basis.dims, basis.layers)),
+                 ", ".join(f"{n} {a}x{b}" for n, (a, b) in ((n, basis.dims(n)) for n in basis.layers)))
     for name, lb in basis.layers.items():
         out_frac, in_frac = lb.explained()
         log.info("eigenbasis %s: k=(%d, %d) keeps %.1f%% of tr E[ggᵀ], %.1f%% of tr E[aaᵀ] (%d tokens)",
@@ -512,4 +607,11 @@ def _broadcast(basis: EigenBasis) -> EigenBasis:
         traces = torch.tensor([lb.trace_out, lb.trace_in], dtype=torch.float64, device=device)
         dist.broadcast(traces, src=0)
         layers[name] = dataclasses.replace(lb, **fields, trace_out=traces[0].item(), trace_in=traces[1].item())
-    return EigenBasis(layers)
+    return EigenBasis(layers, budget=basis.budget)
+
+
+def _broadcast_dims(basis: EigenBasis) -> dict[str, tuple[int, int]]:
+    """Rank 0's per-layer widths of a budgeted basis."""
+    t = torch.tensor([basis.dims(n) for n in basis.layers], dtype=torch.int64, device=_comm_device())
+    dist.broadcast(t, src=0)
+    return {n: (int(a), int(b)) for n, (a, b) in zip(basis.layers, t.tolist())}

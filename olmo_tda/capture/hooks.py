@@ -296,7 +296,7 @@ class GradientCapture:
         self._with_bias = {n: self.config.include_bias and getattr(m, "bias", None) is not None
                            for n, m in self.modules.items()}
         self.projectors: dict[str, Projector] = {
-            name: make_projector(name, n_out, n_in + self._with_bias[name], self.config.dims_for(name),
+            name: make_projector(name, n_out, n_in + self._with_bias[name], self._dims_for(name),
                                  self.config.proj_type, self.config.seed, basis=self.config.basis)
             for name, (n_out, n_in) in ((n, layer_dims(m)) for n, m in self.modules.items())
         }
@@ -324,6 +324,20 @@ class GradientCapture:
 
     # -- selection and hooks -------------------------------------------------------------------
 
+    def _dims_for(self, name: str) -> tuple[int, int]:
+        """Layer ``name``'s ``(k_out, k_in)``: the config's, or under ``capture.budget`` the width the
+        eigenbasis file allocated it (the file must have been allocated for the same budget)."""
+        if not self.config.budget:
+            return self.config.dims_for(name)
+        from .eigenbasis import EigenBasis, EigenBasisError
+
+        basis = EigenBasis.open(self.config.basis)
+        if basis.budget != self.config.budget:
+            raise EigenBasisError(
+                f"capture.budget is {self.config.budget} but eigenbasis {basis.where()} was "
+                + (f"allocated for a budget of {basis.budget}" if basis.budget else "estimated without a budget")
+                + ": re-estimate it with this capture config (a training run does so when the file is absent)")
+        return basis.dims(name)
 
     def _attach(self) -> None:
         try:
