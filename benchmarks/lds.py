@@ -29,6 +29,10 @@ Protocol (Park et al., TRAK, 2023), everything seeded:
   (estimated from 4 training batches at the final weights), LoRIF rank-``compact_c`` factors,
   bfloat16 on disk — scored by graddot and the default influence (ekfac), queries captured dense
   in the same basis. No TracIn there (its basis belongs to the final weights).
+- Budget rows (``--budget-k K``; 0 turns them off): two dense eigenbasis stores (``--budget-dtype``,
+  fp32 by default) of the same K·K floats a layer on average: ``even`` (k=K per side on every layer) and ``budget``
+  (``capture.budget`` = K²·layers, split across layers by their spectra, sides capped at
+  ``proj_dim``), each scored by graddot and influence raw and ekfac.
 - LDS: a positive score means training on i lowers q's loss, so the prediction for S_j is
   Σ_{i∈S_j} score(q, i) and LDS = mean over queries of Spearman(prediction_j, −loss_j) across subsets.
   ± is the standard error over queries. Time per row: its gradients (capture + store write, shared
@@ -60,6 +64,7 @@ from scipy.stats import spearmanr
 
 from olmo_tda import CaptureConfig, GradientCapture, GradientRecord, GradientStore, StoreConfig, attribute
 from olmo_tda.capture import estimate_eigenbasis
+from olmo_tda.capture.hooks import select_linears
 from olmo_tda.config import ProjectionType, StoreDType
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
 from olmo_tda.methods.tracin import tracin_cp
@@ -158,18 +163,33 @@ def ordered(result, n: int) -> np.ndarray:
     return out
 
 
-def compact_store(args, model, train_data, store: Path, steps: int):
-    """The compact configuration: the KFAC eigenbasis at ``compact_k`` per side (estimated from 4
-    batches of the training set at the final weights, timed), LoRIF rank-``compact_c`` factors,
-    bfloat16 on disk. Returns a dense capture in the same basis for the queries (exact projected
-    query gradients, not their rank-c factors)."""
-    cfg = CaptureConfig(proj_dim=args.compact_k, proj_type=ProjectionType.EIGEN, rank=args.compact_c)
+def eigen_config(args, kind: str, model) -> tuple[CaptureConfig, StoreDType, str]:
+    """``(capture config, store dtype, row tag)`` of an eigenbasis store: ``compact`` (the fidelity
+    benchmark's recommendation), ``even`` (dense k=``budget_k`` on every layer) or ``budget`` (the
+    same floats split across layers by ``capture.budget``, sides capped at ``proj_dim``)."""
+    if kind == "compact":
+        cfg = CaptureConfig(proj_dim=args.compact_k, proj_type=ProjectionType.EIGEN, rank=args.compact_c)
+        return cfg, StoreDType.BFLOAT16, f"eigen k={args.compact_k} c={args.compact_c} bf16"
+    dtype = StoreDType(args.budget_dtype)
+    suffix = " bf16" if dtype is StoreDType.BFLOAT16 else ""
+    if kind == "even":
+        return CaptureConfig(proj_dim=args.budget_k, proj_type=ProjectionType.EIGEN), dtype, \
+            f"eigen k={args.budget_k}{suffix}"
+    budget = args.budget_k ** 2 * len(select_linears(model, CaptureConfig()))
+    return CaptureConfig(proj_dim=args.proj_dim, proj_type=ProjectionType.EIGEN, budget=budget), \
+        dtype, f"eigen budget={budget}{suffix}"
+
+
+def eigen_store(args, model, train_data, store: Path, steps: int, cfg: CaptureConfig, dtype: StoreDType):
+    """Estimate ``cfg``'s KFAC eigenbasis from 4 batches of the training set at the final weights,
+    store every training example through it. Returns a dense capture in the same basis for the
+    queries (exact projected query gradients, not rank-c factors)."""
     batches = [train_data[i * args.batch:(i + 1) * args.batch] for i in range(4)]
     estimate_eigenbasis(model, batches, summed_ce, cfg).save(store.with_suffix(".basis.safetensors"))
     model.zero_grad(set_to_none=True)
     cfg.basis = str(store.with_suffix(".basis.safetensors"))
     cap = GradientCapture(model, cfg)
-    with GradientStore.create(store, cap.store_metadata(), StoreConfig(dtype=StoreDType.BFLOAT16)) as writer:
+    with GradientStore.create(store, cap.store_metadata(), StoreConfig(dtype=dtype)) as writer:
         for rec in recordings(cap, model, train_data):
             writer.append(rec.to_record(step=steps, lr=args.lr))
     cap.remove()
@@ -178,18 +198,22 @@ def compact_store(args, model, train_data, store: Path, steps: int):
 
 
 def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: int, work: Path,
-                       compact: bool = False) -> dict:
-    """``{row label: (scores [Q, N], seconds)}`` of every method at one capture config (``compact``:
-    :func:`compact_store`'s, scored by graddot and the default influence only)."""
-    tag = (f"eigen k={args.compact_k} c={args.compact_c} bf16" if compact else f"k={proj_dim}" if proj_dim
-           else "exact")
+                       eigen: str | None = None) -> dict:
+    """``{row label: (scores [Q, N], seconds)}`` of every method at one capture config (``eigen``: one of
+    :func:`eigen_config`'s stores, scored by graddot and influence — the compact one by the default
+    influence only; no TracIn: the basis belongs to the final weights)."""
+    compact = eigen == "compact"
+    if eigen:
+        cfg, dtype, tag = eigen_config(args, eigen, model)
+    else:
+        tag = f"k={proj_dim}" if proj_dim else "exact"
     steps = checkpoints[-1].step
     final = {k: v.clone() for k, v in model.state_dict().items()}
     n, rows = len(train_data), {}
     t0 = time.perf_counter()
-    store = work / f"store-{tag.replace(' ', '_')}"
-    if compact:
-        cap = compact_store(args, model, train_data, store, steps)
+    store = work / f"store-{tag.replace(' ', '_').replace('=', '')}"
+    if eigen:
+        cap = eigen_store(args, model, train_data, store, steps, cfg, dtype)
     else:
         cap = GradientCapture(model, CaptureConfig(proj_dim=proj_dim, seed=0))
         with GradientStore.create(store, cap.store_metadata(), StoreConfig()) as writer:
@@ -205,16 +229,17 @@ def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: 
     elif proj_dim:
         options.append(("influence raw", {"method": "influence", "hessian": "raw",
                                           "damping_ratio": args.damping_ratio}))
-    if not compact:
+    if not eigen:
         options.append(("influence lorif", {"method": "influence", "hessian": "lorif", "rank": args.rank,
                                             "damping_ratio": args.damping_ratio}))
+    if not compact:
         options.append(("influence ekfac", {"method": "influence", "hessian": "ekfac",
                                             "damping_ratio": args.damping_ratio}))
     for label, kw in options:
         t0 = time.perf_counter()
         res = attribute(store, query_grads, top_k=1, return_scores=True, projector_hash=cap.projector_hash, **kw)
         rows[f"{label} {tag}"] = (ordered(res, n), grad_s + time.perf_counter() - t0)
-    if compact:
+    if eigen:
         cap.remove()
         return rows
 
@@ -255,6 +280,11 @@ def main(argv=None):
     p.add_argument("--compact-k", type=int, default=16,
                    help="the compact store's eigenbasis width per side (0: no compact rows)")
     p.add_argument("--compact-c", type=int, default=4, help="the compact store's LoRIF rank c")
+    p.add_argument("--budget-k", type=int, default=8,
+                   help="eigen rows at k·k floats a layer: even (k per side everywhere) and split by capture.budget "
+                        "(0: none)")
+    p.add_argument("--budget-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the budget rows' store dtype")
     p.add_argument("--damping-ratio", type=float, default=0.1)
     p.add_argument("--checkpoints", type=int, default=5, help="TracIn-CP checkpoints (evenly spaced, last = final)")
     p.add_argument("--threads", type=int, default=1,
@@ -281,9 +311,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="lds-") as work:
         for proj_dim in (args.proj_dim, 0):
             rows.update(attribution_scores(args, model, checkpoints, train_data, queries, proj_dim, Path(work)))
-        if args.compact_k:
-            rows.update(attribution_scores(args, model, checkpoints, train_data, queries, args.compact_k, Path(work),
-                                           compact=True))
+        for eigen in ("compact",) * bool(args.compact_k) + ("even", "budget") * bool(args.budget_k):
+            rows.update(attribution_scores(args, model, checkpoints, train_data, queries, args.proj_dim, Path(work),
+                                           eigen=eigen))
 
     t0 = time.perf_counter()
     masks, losses = ground_truth(args, train_data, queries)
@@ -299,26 +329,27 @@ def main(argv=None):
     print(f"{args.retrains} half-subsets x 2 seeds trained in {retrain_s:.0f} s (query loss/token "
           f"{losses.mean() / (args.seq - 1):.3f}); split-half reliability {reliability:.3f} "
           f"(Spearman-Brown {ceiling:.3f})")
-    print(f"{'method':<36} {'LDS':>7} {'± se':>6} {'time s':>7}")
+    print(f"{'method':<40} {'LDS':>7} {'± se':>6} {'time s':>7}")
     lds = {}
     order = ["graddot", "tracin", "influence raw", "influence lorif", "influence ekfac"]
 
-    def split(label):            # (method, capture config: "k=32", "exact" or the compact store's)
+    def split(label):            # (method, capture config: "k=32", "exact" or an eigen store's)
         method = next(m for m in order if label.startswith(m + " "))
         return method, label[len(method) + 1:]
 
     def config_rank(config):
-        return 1 if config == "exact" else 2 if config.startswith("eigen") else 0
+        return (1 if config == "exact" else 4 if config.startswith("eigen budget") else 2 if " c=" in config
+                else 3 if config.startswith("eigen k=") else 0)
 
     for label in sorted(rows, key=lambda s: (config_rank(split(s)[1]), order.index(split(s)[0]))):
         scores, seconds = rows[label]
         per_query = spearman_rows(masks.astype(np.float64) @ scores.T, outcome)
         lds[label] = (float(per_query.mean()), float(per_query.std(ddof=1) / np.sqrt(len(per_query))))
-        print(f"{label:<36} {lds[label][0]:>7.3f} {lds[label][1]:>6.3f} {seconds:>7.1f}")
+        print(f"{label:<40} {lds[label][0]:>7.3f} {lds[label][1]:>6.3f} {seconds:>7.1f}")
 
     def key(label):
         method, config = split(label)
-        return "lds_" + method.replace(" ", "_") + ("", "_exact", "_compact")[config_rank(config)]
+        return "lds_" + method.replace(" ", "_") + ("", "_exact", "_compact", "_eigen", "_budget")[config_rank(config)]
 
     headline = {key(label): round(v[0], 4) for label, v in lds.items()}
     headline.update({key(label) + "_se": round(v[1], 4) for label, v in lds.items() if "exact" not in label})
@@ -326,6 +357,7 @@ def main(argv=None):
                       "num_queries": args.num_queries, "proj_dim": args.proj_dim, "rank": args.rank,
                       "compact": ({"k": args.compact_k, "c": args.compact_c, "dtype": "bfloat16"}
                                   if args.compact_k else None),
+                      "budget_k": args.budget_k, "budget_dtype": args.budget_dtype,
                       "damping_ratio": args.damping_ratio, "checkpoints": len(checkpoints),
                       "reliability": round(reliability, 4),
                       "reliability_spearman_brown": round(ceiling, 4), **headline,

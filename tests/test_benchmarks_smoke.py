@@ -76,11 +76,13 @@ def test_lds_runs():
 
     res = _last_json("lds.py", "--num-train", "32", "--num-queries", "4", "--retrains", "4", "--epochs", "2",
                      "--checkpoints", "2", "--proj-dim", "8", "--rank", "4", "--d-model", "16", "--n-layers", "1",
-                     "--compact-k", "8", "--compact-c", "2")
+                     "--compact-k", "8", "--compact-c", "2", "--budget-k", "4")
     assert res["benchmark"] == "lds" and res["retrains"] == 4
     for key in ("reliability", "lds_graddot", "lds_tracin", "lds_influence_raw", "lds_influence_lorif",
                 "lds_influence_ekfac", "lds_graddot_exact", "lds_tracin_exact", "lds_influence_lorif_exact",
-                "lds_influence_ekfac_exact", "lds_graddot_compact", "lds_influence_ekfac_compact"):
+                "lds_influence_ekfac_exact", "lds_graddot_compact", "lds_influence_ekfac_compact",
+                "lds_graddot_eigen", "lds_influence_raw_eigen", "lds_influence_ekfac_eigen",
+                "lds_graddot_budget", "lds_influence_raw_budget", "lds_influence_ekfac_budget"):
         assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
 
 

@@ -194,6 +194,7 @@ def test_influence_levers_rows_and_its_fisher_helper_against_the_exact_influence
     result = IL.run(tmp_path, seeds=1)
     assert set(result) == {"ekfac_full", "kfac_full", "fisher_kron", "fisher_eigen", "fisher_layer_jl",
                            "fisher_layer_jl2x", "fisher_global_jl", "fisher_global_kron", "precond_then_kron",
-                           "exact_precond_then_kron", "precond_then_eigen", "ekfac_kron", "ekfac_eigen"}
+                           "exact_precond_then_kron", "precond_then_eigen", "ekfac_kron", "ekfac_eigen",
+                           "split_count", "split_deff", "split_size", "split_even"}
     assert all(-1 <= r["spearman"] <= 1 for r in result.values())
     assert result["fisher_kron"]["floats"] == 7 * 16 and result["ekfac_full"]["floats"] == "all"

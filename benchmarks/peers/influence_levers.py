@@ -16,6 +16,12 @@ per-example gradients (``torch.func``) and its exact influence (``workload.exact
 - ``ekfac_kron`` / ``ekfac_eigen``: ``hessian="ekfac"`` on those same stored rows: EK-FAC in the
   projected space (Kronecker factors and eigenvalue correction from the stored per-example
   gradients, the library's ``ekfac_apply``), at the projected Fisher's λ;
+- ``split_count`` / ``split_deff`` / ``split_size`` / ``split_even``: the same total floats through
+  the top K-FAC eigenvectors, split across layers by a rule, each layer keeping the top rectangle of
+  most effective dimension within its share (``olmo_tda.capture.eigenbasis.best_rectangle``): by the
+  count of directions with curvature above λ (``capture.budget``'s rule, ``allocate_budget``), by
+  the soft effective dimension ``Σ κ/(κ+λ)``, by layer size, and evenly. Projected Fisher on the
+  kept coordinates;
 - ``fisher_layer_jl`` / ``fisher_layer_jl2x``: a dense Gaussian projection of each layer's full
   gradient (k² or 2k² per layer) with its projected Fisher (forming these needs every per-example
   gradient in full: what capture avoids);
@@ -44,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from olmo_tda.capture.eigenbasis import BUDGET_DAMPING, allocate_budget, best_rectangle, split_budget
 from olmo_tda.capture.projection import make_projector
 from olmo_tda.methods.influence import ekfac_apply
 
@@ -128,13 +135,18 @@ def run(workdir: Path, seeds: int) -> dict:
     coords: dict[int, tuple[list, list]] = {rep: ([], []) for rep in range(seeds)}
     global_jl = {rep: torch.randn(len(names) * w.k * w.k, g_all.shape[1], generator=gen, dtype=torch.float64)
                  for rep in range(seeds)}
-    lo = 0
-    for name in names:
-        n_out, n_in = modules[name].weight.shape
+    def per_layer():
+        """``(name, train [N, n_out, n_in], query [Q, n_out, n_in])`` of each scored layer."""
+        lo = 0
+        for name in names:
+            n_out, n_in = modules[name].weight.shape
+            yield (name, g_all[:, lo:lo + n_out * n_in].reshape(n, n_out, n_in),
+                   q_all[:, lo:lo + n_out * n_in].reshape(len(q_all), n_out, n_in))
+            lo += n_out * n_in
+
+    for name, g, q in per_layer():
+        n_out, n_in = g.shape[1:]
         size = n_out * n_in
-        g = g_all[:, lo:lo + size].reshape(n, n_out, n_in)
-        q = q_all[:, lo:lo + size].reshape(len(q_all), n_out, n_in)
-        lo += size
         gf, qf = g.reshape(n, -1), q.reshape(len(q), -1)
         lam = RELATIVE_DAMPING * float(gf.pow(2).sum(1).mean()) / size          # exact's λ: 0.1·tr(F)/D
         a_cov, s_cov = covs[name]
@@ -171,6 +183,26 @@ def run(workdir: Path, seeds: int) -> dict:
             for key, width in (("fisher_layer_jl", w.k * w.k), ("fisher_layer_jl2x", 2 * w.k * w.k)):
                 r = torch.randn(width, size, generator=gen, dtype=torch.float64)
                 add(key, rep, projected_fisher_scores(gf @ r.T, qf @ r.T))
+    budget = len(names) * w.k * w.k
+    spectra = {name: (eig_desc(covs[name][1])[0].clamp(min=0), eig_desc(covs[name][0])[0].clamp(min=0))
+               for name in names}
+    rules = {"split_count": None, "split_even": {n: 1.0 for n in names},
+             "split_size": {n: float(len(s) * len(a)) for n, (s, a) in spectra.items()},
+             "split_deff": {n: float((k / (k + BUDGET_DAMPING * k.mean())).sum())
+                            for n, k in ((n, torch.outer(s, a)) for n, (s, a) in spectra.items())}}
+    for key, weights in rules.items():
+        if weights is None:
+            dims = allocate_budget(spectra, budget, (w.k * w.k, w.k * w.k))
+        else:
+            shares = split_budget(weights, budget)
+            dims = {n: best_rectangle(*spectra[n], shares[n], (w.k * w.k, w.k * w.k)) for n in names}
+        total = 0
+        for name, g, q in per_layer():
+            (a, b), total = dims[name], total + dims[name][0] * dims[name][1]
+            e_out, e_in = eig_desc(covs[name][1])[1][:, :a].T, eig_desc(covs[name][0])[1][:, :b].T
+            add(key, 0, projected_fisher_scores((e_out @ g @ e_in.T).reshape(n, -1),
+                                                (e_out @ q @ e_in.T).reshape(len(q), -1)))
+        assert total <= budget, (key, total, budget)
     for rep in range(seeds):
         add("fisher_global_kron", rep, projected_fisher_scores(torch.cat(coords[rep][0], 1), torch.cat(coords[rep][1], 1)))
         r = global_jl[rep]

@@ -48,14 +48,16 @@ from workload import RELATIVE_DAMPING, Workload, prepare, spearman_rows  # noqa:
 OURS = "olmo_tda"
 OURS_EIGEN = "olmo_tda_eigen"       # our data-aware projection at the same bytes (fidelity row)
 OURS_HEAD = "olmo_tda_head"         # ... with the head given more of the same (or fewer) bytes
+OURS_BUDGET = "olmo_tda_budget"     # ... the same floats split across layers by capture.budget
 OURS_FULL = "olmo_tda_full"         # unprojected store + EK-FAC: Kronfluence's setting, not the same floats
-OUR_ROWS = (OURS, OURS_EIGEN, OURS_HEAD, OURS_FULL)
+OUR_ROWS = (OURS, OURS_EIGEN, OURS_HEAD, OURS_BUDGET, OURS_FULL)
 UNPROJECTED = (OURS_FULL, "kronfluence")     # compared with each other, not with the k-floats rows
 HEADLINE_PEER = "dattri_llm"
 SYSTEMS = [*OUR_ROWS, *venvs.PEERS]
 IN_LOOP = (OURS, "dattri_llm", "logix")
 LABELS = {"olmo_tda": "olmo_tda", "olmo_tda_eigen": "olmo_tda eigen + LoRIF c=1",
-          "olmo_tda_head": "olmo_tda eigen, head-weighted", "olmo_tda_full": "olmo_tda unprojected, EK-FAC",
+          "olmo_tda_head": "olmo_tda eigen, head-weighted", "olmo_tda_budget": "olmo_tda eigen, capture.budget",
+          "olmo_tda_full": "olmo_tda unprojected, EK-FAC",
           "dattri_llm": "dattri-llm", "kronfluence": "Kronfluence", "dattri": "dattri",
           "traker": "TRAK (traker)", "logix": "LogIX (logix-ai)"}
 
@@ -229,10 +231,14 @@ def markdown(result: dict) -> str:
                  f"{fmt(h['spearman_ours_best'], '.3f')} (best of ours); best peer "
                  f"{LABELS.get(h['best_peer'], '—')} {fmt(h['spearman_best_peer'], '.3f')}.")
     lines.append("")
+    peer_infl = h["influence_spearman_best_peer"]
+    influence_verdict = verdict(h["influence_spearman_ours_best"] if peer_infl is not None else None, peer_infl)
     lines.append(f"Curvature: influence with each system's own damped curvature at λ = {RELATIVE_DAMPING} × its mean "
                  f"eigenvalue, against exact per-layer damped empirical-Fisher influence (unprojected, Woodbury). "
                  f"At the same stored floats: best of ours {fmt(h['influence_spearman_ours_best'], '.3f')}, best "
-                 f"peer {fmt(h['influence_spearman_best_peer'], '.3f')}. Unprojected: olmo_tda's stored full "
+                 f"peer {fmt(h['influence_spearman_best_peer'], '.3f')} (target: at least the best peer"
+                 f"{influence_verdict}). "
+                 f"Unprojected: olmo_tda's stored full "
                  f"gradients with EK-FAC {fmt(h['influence_spearman_ours_unprojected'], '.3f')}, Kronfluence's "
                  f"EK-FAC {fmt(h['influence_spearman_kronfluence'], '.3f')}.")
     lines.append("")

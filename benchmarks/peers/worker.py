@@ -44,7 +44,7 @@ logging.disable(logging.WARNING)
 
 
 def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, head_budget: bool = False,
-                  influence: bool = False, unprojected: bool = False) -> dict:
+                  budget: bool = False, influence: bool = False, unprojected: bool = False) -> dict:
     from olmo_tda import CaptureConfig, GradientCapture
     from olmo_tda.capture import activation_grads_only, estimate_eigenbasis
     from olmo_tda.config import LayerOverride, ProjectionType, StoreConfig
@@ -62,6 +62,10 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
                 # k=8k, rank 3, every other layer k=2k, rank 1 — 768 floats in all here, fewer than
                 # the others' 832
                 cfg.proj_dim, cfg.overrides = 2 * w.k, [LayerOverride(modules=["head"], proj_dim=8 * w.k, rank=3)]
+            if budget:
+                # the same floats as everyone's k·k per layer in all, split across the layers by their
+                # spectra (capture.budget); dense rows, no side wider than k·k
+                cfg.proj_dim, cfg.rank, cfg.budget = w.k * w.k, 0, w.k * w.k * len(linear_names(model))
             # data-aware projection: the KFAC eigenbasis of each layer, from 4 batches at these
             # weights (its cost is counted in the train pass)
             batches = [train[i * w.batch:(i + 1) * w.batch] for i in range(4)]
@@ -96,6 +100,7 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
         res = attribute(GradientStore.open(tmp / "store"), qrec, top_k=100, return_scores=True, **method)
     order = np.argsort(res.all_ids)
     scores = res.all_scores.numpy()[:, order]
+    shapes = [(p.k_out, p.k_in) for p in cap.projectors.values()]
     cap.remove()
     # the floor every system shares: the same forward+backward with nothing captured
     with Clock() as c_bare, activation_grads_only(model):
@@ -105,8 +110,10 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
     model.zero_grad(set_to_none=True)
     kind = "proj_dim=0 (unprojected)" if unprojected else f"proj_dim={w.k}, orthogonal random"
     if eigen:
-        kind = (f"proj_dim={cfg.proj_dim}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank=1"
-                + (f", overrides=[head: proj_dim={8 * w.k}, rank=3]" if head_budget else ""))
+        kind = (f"proj_dim={cfg.proj_dim}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank={cfg.rank}"
+                + (f", overrides=[head: proj_dim={8 * w.k}, rank=3]" if head_budget else "")
+                + (f", budget={cfg.budget} (widths {' '.join('x'.join(map(str, p)) for p in shapes)})"
+                   if budget else ""))
     return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "store"),
             "bare_pass_examples_per_s": len(train) / c_bare.seconds,
             "scores": scores, "settings": f"CaptureConfig({kind}), graddot, fp32 HDF5 store",
@@ -505,6 +512,8 @@ SYSTEMS = {
     "olmo_tda_eigen": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True)},
     "olmo_tda_head": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True, head_budget=True),
                       "infl": lambda *a: _ours_infl(*a, eigen=True, head_budget=True)},
+    "olmo_tda_budget": {"attr": lambda *a: olmo_tda_attr(*a, eigen=True, budget=True),
+                        "infl": lambda *a: _ours_infl(*a, eigen=True, budget=True)},
     "olmo_tda_full": {"attr": lambda *a: olmo_tda_attr(*a, unprojected=True),
                       "infl": lambda *a: _ours_infl(*a, unprojected=True)},
     "dattri_llm": {"attr": dattri_llm_attr, "loop": dattri_llm_loop, "infl": dattri_llm_infl},
