@@ -469,19 +469,31 @@ def _damping(ev_out: torch.Tensor, ev_in: torch.Tensor, damping: float) -> float
     return damping * float(ev_out.sum()) * float(ev_in.sum()) / (len(ev_out) * len(ev_in))
 
 
-def split_budget(weights: dict[str, float], budget: int) -> dict[str, int]:
+def split_budget(weights: dict[str, float], budget: int, limits: dict[str, int] | None = None) -> dict[str, int]:
     """``budget`` floats as ``{layer: share}``: one float each, the rest in proportion to ``weights``
-    (largest remainders), so the shares sum to exactly ``budget``."""
+    (largest remainders). A layer whose share would pass its ``limit`` (the most it can hold) gets
+    the limit and the excess is split again over the others, so the shares sum to exactly ``budget``
+    unless every layer is at its limit."""
     names = sorted(weights)
     if budget < len(names):
         raise EigenBasisError(f"capture.budget is {budget} floats per example but {len(names)} layers are "
                               f"captured: every layer needs at least one (raise the budget or capture fewer layers)")
-    total = sum(weights.values())
-    quota = {n: (budget - len(names)) * (weights[n] / total if total > 0 else 1 / len(names)) for n in names}
-    share = {n: 1 + int(quota[n]) for n in names}
-    for n in sorted(names, key=lambda n: (int(quota[n]) - quota[n], n))[:budget - sum(share.values())]:
-        share[n] += 1
-    return share
+    limits = limits or {}
+    full: dict[str, int] = {}
+    while True:
+        free = [n for n in names if n not in full]
+        if not free:
+            return full
+        rest = budget - sum(full.values())
+        total = sum(weights[n] for n in free)
+        quota = {n: (rest - len(free)) * (weights[n] / total if total > 0 else 1 / len(free)) for n in free}
+        share = {n: 1 + int(quota[n]) for n in free}
+        for n in sorted(free, key=lambda n: (int(quota[n]) - quota[n], n))[:rest - sum(share.values())]:
+            share[n] += 1
+        over = [n for n in free if share[n] > limits.get(n, share[n])]
+        if not over:
+            return {**full, **share}
+        full.update({n: limits[n] for n in over})
 
 
 def best_rectangle(ev_out: torch.Tensor, ev_in: torch.Tensor, share: int, cap: tuple[int, int],
@@ -511,17 +523,20 @@ def allocate_budget(spectra: dict[str, tuple[torch.Tensor, torch.Tensor]], budge
     Kronecker direction ``(o, i)`` is ``κ = s_o·a_i``, and influence damps it with
     ``λ = damping · mean κ``. Directions with ``κ > λ`` are the ones the damped inverse keeps
     (each carries about the same weight in an influence score, the rest are damped away), so a layer's
-    share of the budget is proportional to their count (:func:`split_budget`), and within it the layer
-    keeps :func:`best_rectangle`.
+    share of the budget is proportional to their count (:func:`split_budget`; a layer's share is at
+    most its capped ``k_out·k_in``, the excess goes to the others), and within it the layer keeps
+    :func:`best_rectangle`.
     """
     counts = {}
     for name, (ev_out, ev_in) in spectra.items():
         ev_out, ev_in = (v.to(torch.float64).clamp(min=0) for v in (ev_out, ev_in))
         lam = _damping(ev_out, ev_in, damping)
-        # #{s_o·a_i > λ} without forming the n_out × n_in grid: per o, the a_i above λ / s_o
+        # #{s_o·a_i > λ} without forming the n_out × n_in grid: per o, the a_i above λ / s_o (the same
+        # count up to rounding at exact ties)
         above = len(ev_in) - torch.searchsorted(ev_in.flip(0), lam / ev_out.clamp(min=1e-300), right=True)
         counts[name] = max(int(above.sum()), 1) if lam > 0 else 1
-    shares = split_budget(counts, budget)
+    limits = {n: min(cap[0], len(s)) * min(cap[1], len(a)) for n, (s, a) in spectra.items()}
+    shares = split_budget(counts, budget, limits)
     return {name: best_rectangle(*spectra[name], shares[name], cap, damping) for name in sorted(spectra)}
 
 
@@ -533,7 +548,12 @@ def eigenbasis_from_covariances(covs: dict[str, KroneckerCovariance], k: int | t
     ``budget`` > 0: each layer keeps the widths :func:`allocate_budget` gives it (``k`` caps each side),
     or ``dims`` when given (a distributed estimate uses rank 0's split)."""
     k_out, k_in = (k, k) if isinstance(k, int) else k
-    decomposed = {name: (_eigh_desc(cov.mean()[0]), _eigh_desc(cov.mean()[1])) for name, cov in covs.items()}
+
+    def top(cov: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vectors, values = _eigh_desc(cov)
+        return vectors[:rows].clone(), values          # every eigenvalue (the split needs them), k rows
+
+    decomposed = {name: (top(cov.mean()[0], k_out), top(cov.mean()[1], k_in)) for name, cov in covs.items()}
     if budget and dims is None:
         dims = allocate_budget({n: (d[0][1], d[1][1]) for n, d in decomposed.items()}, budget, (k_out, k_in))
     layers = {}
