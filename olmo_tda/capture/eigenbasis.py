@@ -540,25 +540,28 @@ def allocate_budget(spectra: dict[str, tuple[torch.Tensor, torch.Tensor]], budge
     return {name: best_rectangle(*spectra[name], shares[name], cap, damping) for name in sorted(spectra)}
 
 
-def eigenbasis_from_covariances(covs: dict[str, KroneckerCovariance], k: int | tuple[int, int], *,
-                                budget: int = 0, dims: dict[str, tuple[int, int]] | None = None) -> EigenBasis:
+def eigenbasis_from_covariances(
+        covs: dict[str, KroneckerCovariance], k: int | tuple[int, int], *, budget: int = 0,
+        agree: Callable[[dict[str, tuple[int, int]]], dict[str, tuple[int, int]]] | None = None) -> EigenBasis:
     """Top-``k`` eigenvectors (``k``: both sides, or ``(k_out, k_in)``) of each layer's covariances;
     a side narrower than its k keeps its full eigenbasis (a projector uses the identity there).
 
     ``budget`` > 0: each layer keeps the widths :func:`allocate_budget` gives it (``k`` caps each side),
-    or ``dims`` when given (a distributed estimate uses rank 0's split)."""
+    passed through ``agree`` when given (a distributed estimate replaces them with rank 0's)."""
     k_out, k_in = (k, k) if isinstance(k, int) else k
 
     def top(cov: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         vectors, values = _eigh_desc(cov)
         return vectors[:rows].clone(), values          # every eigenvalue (the split needs them), k rows
 
-    decomposed = {name: (top(cov.mean()[0], k_out), top(cov.mean()[1], k_in)) for name, cov in covs.items()}
-    if budget and dims is None:
+    means = {name: cov.mean() for name, cov in covs.items()}
+    decomposed = {name: (top(m_out, k_out), top(m_in, k_in)) for name, (m_out, m_in) in means.items()}
+    if budget:
         dims = allocate_budget({n: (d[0][1], d[1][1]) for n, d in decomposed.items()}, budget, (k_out, k_in))
+        dims = agree(dims) if agree is not None else dims
     layers = {}
     for name, cov in covs.items():
-        cov_out, cov_in = cov.mean()
+        cov_out, cov_in = means[name]
         (rows_out, vals_out), (rows_in, vals_in) = decomposed[name]
         ko, ki = dims[name] if budget else (k_out, k_in)
         p_out, v_out = rows_out[:ko].float().contiguous(), vals_out[:ko].contiguous()
@@ -597,12 +600,11 @@ def estimate_eigenbasis(model: nn.Module, batches: Iterable[Any], loss_fn: Calla
     if (k if isinstance(k, int) else min(k)) < 1:
         raise ValueError(f"k must be >= 1 per side (capture.proj_dim is {config.proj_dim!r}; 0 means exact)")
     covs = estimate_covariances(model, batches, loss_fn, config, distributed=distributed)
-    basis = eigenbasis_from_covariances(covs, k, budget=config.budget)
-    if distributed and dist.get_world_size() > 1:
-        if config.budget:       # the split of rank 0 (eigh may differ in the last bit across ranks)
-            dims = _broadcast_dims(basis)
-            if dims != {n: basis.dims(n) for n in basis.layers}:
-                basis = eigenbasis_from_covariances(covs, k, budget=config.budget, dims=dims)
+    world = distributed and dist.get_world_size() > 1
+    # every rank takes rank 0's split (eigh may differ in the last bit across ranks), so the matrices
+    # broadcast below have one shape everywhere
+    basis = eigenbasis_from_covariances(covs, k, budget=config.budget, agree=_broadcast_dims if world else None)
+    if world:
         basis = _broadcast(basis)
     if config.budget:
         log.info("eigenbasis: capture.budget %d floats per example split over %d layers (%d used): %s", config.budget,
@@ -630,8 +632,9 @@ def _broadcast(basis: EigenBasis) -> EigenBasis:
     return EigenBasis(layers, budget=basis.budget)
 
 
-def _broadcast_dims(basis: EigenBasis) -> dict[str, tuple[int, int]]:
-    """Rank 0's per-layer widths of a budgeted basis."""
-    t = torch.tensor([basis.dims(n) for n in basis.layers], dtype=torch.int64, device=_comm_device())
+def _broadcast_dims(dims: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Rank 0's per-layer widths (every rank holds the same layer names)."""
+    names = sorted(dims)
+    t = torch.tensor([dims[n] for n in names], dtype=torch.int64, device=_comm_device())
     dist.broadcast(t, src=0)
-    return {n: (int(a), int(b)) for n, (a, b) in zip(basis.layers, t.tolist())}
+    return {n: (int(a), int(b)) for n, (a, b) in zip(names, t.tolist())}
