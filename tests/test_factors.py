@@ -95,6 +95,20 @@ def test_every_inner_product_route_equals_dense():
         cross_gram(g1, a1, g2, a2, force="ghostly")
 
 
+@pytest.mark.parametrize("c1, c2", [(3, 2), (1, 4), (2, 1)])
+def test_factor_factor_with_unequal_ranks_and_packed_rows(c1, c2):
+    # the reader hands out A and B as strided views of one packed [N, Ko + Ki, c] block; the query
+    # side often has another rank (query_rank): equal to the dense product of the formed matrices
+    gen = torch.Generator().manual_seed(7)
+    A1, B1 = torch.randn(5, 6, c1, generator=gen, dtype=torch.float64), torch.randn(5, 4, c1, generator=gen,
+                                                                                     dtype=torch.float64)
+    packed = torch.randn(9, 6 + 4, c2, generator=gen, dtype=torch.float64)
+    A2, B2 = packed[:, :6], packed[:, 6:]
+    want = dot_dense_dense(A1 @ B1.transpose(1, 2), A2 @ B2.transpose(1, 2))
+    assert rel_err(dot_factor_factor(A1, B1, A2, B2), want) < 1e-12
+    assert rel_err(dot_factor_factor(A2, B2, A1, B1), want.T) < 1e-12
+
+
 def test_route_is_the_flop_rule():
     # short sequences: factorized (T² small); long ones with narrow layers: materialized
     assert route(16, 1000, 4, 64, 64) == "factorized"

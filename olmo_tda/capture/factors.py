@@ -173,10 +173,12 @@ def dot_factor_factor(A1: torch.Tensor, B1: torch.Tensor, A2: torch.Tensor, B2: 
     """``[Q, N]`` of factors · factors: ``sum((A₁ᵀ A₂) ∘ (B₁ᵀ B₂))``."""
     num_q, k_out, c1 = A1.shape
     num_n, k_in, c2 = B2.shape
-    # two GEMMs [Q·c₁, K] @ [K, N·c₂] (einsum picks a far slower batched layout for these shapes)
-    aa = A1.transpose(1, 2).reshape(num_q * c1, k_out) @ A2.permute(1, 0, 2).reshape(k_out, num_n * c2)
-    bb = B1.transpose(1, 2).reshape(num_q * c1, k_in) @ B2.permute(1, 0, 2).reshape(k_in, num_n * c2)
-    return (aa * bb).view(num_q, c1, num_n, c2).sum(dim=(1, 3))
+    # two GEMMs [c₁·Q, K] @ [K, c₂·N], rows and columns ordered factor column first, so the sums
+    # over c₁ and c₂ add whole contiguous [Q, N] slices (a sum over interleaved axes ran ~20x slower;
+    # einsum picks a far slower batched layout for these shapes)
+    aa = A1.permute(2, 0, 1).reshape(c1 * num_q, k_out) @ A2.permute(2, 0, 1).reshape(c2 * num_n, k_out).T
+    bb = B1.permute(2, 0, 1).reshape(c1 * num_q, k_in) @ B2.permute(2, 0, 1).reshape(c2 * num_n, k_in).T
+    return aa.mul_(bb).view(c1, num_q, c2, num_n).sum(dim=0).sum(dim=1)
 
 
 def dot_ghost(g1: torch.Tensor, a1: torch.Tensor, g2: torch.Tensor, a2: torch.Tensor) -> torch.Tensor:
