@@ -18,12 +18,14 @@ Spearman there by more than 0.001). Then 16 dense query gradients ask for their 
   queries (and recall of the dense top-100).
 
 The recommended configuration is the smallest c whose bf16 store has Spearman >= 0.9, stored in
-bf16; targets at it, against dense fp32 (the reference, as in ``fidelity_bytes.py``): >= 10x
-smaller, >= 5x faster queries, Spearman >= 0.9, peak memory independent of N. Every row also gives
-its speedup against dense in its own dtype, and the fp32 store of the same c is reported beside it,
-so what the rank buys and what the dtype buys stay apart. One exploratory arm (not the headline)
-times the recommended store with the queries given as rank-16 factors (``--query-rank``), which
-``attribute`` accepts and scores by the factor·factor route.
+bf16, queried with rank-4 query factors (``--query-rank``; ``attribute(..., query_rank=4)``, scored
+by the factor·factor route) when that keeps Spearman >= 0.9, else with exact queries. Targets at it,
+against dense fp32 with exact queries (the reference, as in ``fidelity_bytes.py``): >= 10x smaller,
+>= 5x faster queries, Spearman >= 0.9, peak memory independent of N. Exact queries on the same store
+are timed and reported beside it (``exact_queries`` in the JSON), with the Spearman of query ranks
+1/2/4/8, so what the query rank buys and costs stays visible. Every row also gives its speedup
+against dense in its own dtype, and the fp32 store of the same c is reported beside it, so what the
+rank buys and what the dtype buys stay apart.
 
 Synthetic gradients with measured structure. An example's projected gradient is ``Ĝ = gᵀa`` of T
 token factors (T=128 by default), like capture builds it. Token factors are drawn per layer and
@@ -77,6 +79,7 @@ K = 64                      # projected width per side (LoGRA default)
 LAYERS = ("att_proj", "attn_out", "ff_proj", "ff_out")
 KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PROJECTOR_HASH = "synthetic-store-query-v1"
+QUERY_RANK_SWEEP = (1, 2, 4, 8)      # query ranks whose Spearman is reported for the recommended store
 
 # Fitted by ``--calibrate`` (token factors of 528 passages × 128 tokens, block 0 of a d_model-256
 # OLMo trained 200 steps, orthogonal projectors k=64). Per side: share of E‖x̂‖² (unit tokens) in
@@ -313,7 +316,7 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
-def mem_child(small: str, full: str, queries_path: str, top_k: int, block_size: int) -> None:
+def mem_child(small: str, full: str, queries_path: str, top_k: int, block_size: int, query_rank: int = 0) -> None:
     """(subprocess) Peak RSS growth of a query on the small store, then on the full one, in MiB.
 
     VmHWM is this process's own peak (``ru_maxrss`` can report the parent's RSS at fork); it is reset
@@ -327,21 +330,21 @@ def mem_child(small: str, full: str, queries_path: str, top_k: int, block_size: 
     baseline = _status_kib("VmHWM")
     peaks = []
     for store in (small, full):
-        run_query(Path(store), queries, 0, top_k, block_size)
+        run_query(Path(store), queries, query_rank, top_k, block_size)
         peaks.append(_status_kib("VmHWM"))
     print(json.dumps({"peak_small_mb": (peaks[0] - rss0) / 1024, "peak_full_mb": (peaks[1] - rss0) / 1024,
                       "hwm_reset": baseline - rss0 < 4096}))
 
 
-def measure_memory(small: Path, full: Path, queries_path: Path, args) -> dict:
+def measure_memory(small: Path, full: Path, queries_path: Path, args, query_rank: int = 0) -> dict:
     # glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, after which
     # freed blocks stay in the heap: the peak RSS of the same query then wandered 30–77 MB from run
     # to run, more often high the more blocks a store has. A fixed threshold keeps every block an
     # mmap that free() returns, so the peak is what the query holds at once (19–20 MB at c=2)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
     out = subprocess.run([sys.executable, __file__, "--mem-child", str(small), str(full), str(queries_path),
-                          str(args.top_k), str(args.block_size)], check=True, capture_output=True, text=True,
-                         env=env)
+                          str(args.top_k), str(args.block_size), str(query_rank)],
+                         check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -596,8 +599,10 @@ def main(argv=None) -> dict:
                         " dense is required); default all")
     p.add_argument("--memory-stores", default="",
                    help="stores whose peak memory is checked at N/10 and N (each writes an N/10 copy); default all")
-    p.add_argument("--query-rank", type=int, default=16,
-                   help="also time the recommended c with the queries as rank-r factors (exploratory; 0: off)")
+    p.add_argument("--query-rank", type=int, default=4,
+                   help="also query the recommended store with the queries as rank-r factors "
+                        "(attribute(query_rank=r)); that is the recommended configuration when its Spearman "
+                        "against dense is >= 0.9 (0: exact queries only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for the timed queries (default: torch's); fewer than the cores leaves the "
@@ -609,11 +614,11 @@ def main(argv=None) -> dict:
     p.add_argument("--calib-d-model", type=int, default=256)
     p.add_argument("--calib-steps", type=int, default=200)
     p.add_argument("--calib-examples", type=int, default=528)
-    p.add_argument("--mem-child", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--mem-child", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.mem_child:
-        small, full, queries, top_k, block = args.mem_child
-        mem_child(small, full, queries, int(top_k), int(block))
+        small, full, queries, top_k, block, query_rank = args.mem_child
+        mem_child(small, full, queries, int(top_k), int(block), int(query_rank))
         return {"mem_child": True}
     if args.calibrate:
         return calibrate(args)
@@ -672,12 +677,26 @@ def main(argv=None) -> dict:
         spearman = {name: spearman_vs(scores["dense"], scores[name]) for name in names}
         meets = [c for c in ranks if spearman[name_of[(c, rec_dtype)]] >= 0.9]
         best = min(meets) if meets else max(ranks, key=lambda c: spearman[name_of[(c, rec_dtype)]])
-        rec = name_of[(best, rec_dtype)]
-        if args.query_rank:     # exploratory, not the headline: the queries as rank-r factors too
+        rec = headline = name_of[(best, rec_dtype)]
+        query_sweep = {}
+        if args.query_rank:
+            # the same store with the queries as rank-r factors (attribute(..., query_rank=r)): an
+            # approximation of the query side, held to the same fidelity bar as the store's rank
             extra = f"{rec}+q{args.query_rank}"
-            arms[extra] = (full[rec], queries, args.query_rank, True, rec)     # attribute(..., query_rank=r)
+            arms[extra] = (full[rec], queries, args.query_rank, True, rec)
             fidelity(extra)
             spearman[extra] = spearman_vs(scores["dense"], scores[extra])
+            if spearman[extra] >= 0.9:
+                headline = extra
+            # what each query rank costs in fidelity (untimed)
+            for r in QUERY_RANK_SWEEP:
+                if r == args.query_rank:
+                    query_sweep[r] = spearman[extra]
+                    continue
+                res = run_query(full[rec], queries, r, args.top_k, args.block_size, return_scores=True)
+                query_sweep[r] = spearman_vs(scores["dense"],
+                                             res.all_scores.numpy()[:, np.argsort(res.all_ids, kind="stable")])
+            query_sweep[0] = spearman[rec]
         # the reader's readahead off (its control): the same store and scores, timed without it
         plain = f"{rec} no-readahead"
         arms[plain] = (full[rec], queries, 0, False, rec)
@@ -726,6 +745,9 @@ def main(argv=None) -> dict:
         t_phase = time.perf_counter()
         memory = {name: measure_memory(built["paths"][name][0], full[name], queries_path, args)
                   for name in smalls}
+        if headline != rec and rec in smalls:       # the recommended configuration's own queries
+            memory[headline] = measure_memory(built["paths"][rec][0], full[rec], queries_path, args,
+                                              args.query_rank)
         phases["memory"] = time.perf_counter() - t_phase
     finally:
         if not args.keep:
@@ -752,7 +774,7 @@ def main(argv=None) -> dict:
                       "spearman": spearman[name], f"recall_at_{args.top_k}": recall[name],
                       "resident_when_warm": resident_warm[name],
                       "cold_runs_s": [round(v, 3) for v in cold[name]], "warm_runs_s": [round(v, 3) for v in warm[name]]}
-    head = rows[rec]
+    head, exact = rows[headline], rows[rec]       # the recommended configuration; its store, exact queries
     basis = "cold" if eviction_works else "warm"
     speedup = head[f"speedup_{basis}"]
     # 10x the rows: O(N) memory would grow ~10x; allow allocator noise up to 2x (with glibc's mmap
@@ -789,24 +811,30 @@ def main(argv=None) -> dict:
               f"{r[f'recall_at_{args.top_k}']:>7.3f}")
     if args.query_rank:
         r = rows[extra]
-        print(f"exploratory {extra}: the same {rec} store, queries as rank-{args.query_rank} factors "
-              f"(attribute(..., query_rank={args.query_rank}): an approximation of the queries, so not "
-              f"the headline): {r['speedup_cold']:.2f}x cold, "
-              f"{r['speedup_warm']:.2f}x warm, Spearman {r['spearman']:.3f}")
+        print(f"{extra}: the same {rec} store, queries as rank-{args.query_rank} factors "
+              f"(attribute(..., query_rank={args.query_rank})): {r['speedup_cold']:.2f}x cold, "
+              f"{r['speedup_warm']:.2f}x warm, Spearman {r['spearman']:.3f} against {exact['spearman']:.3f} with "
+              f"exact queries ("
+              + ("the recommended configuration)" if headline == extra else "below 0.9: not recommended)"))
+        print(f"Spearman of {rec} by query rank (0 = exact): "
+              + ", ".join(f"{r}: {v:.4f}" for r, v in sorted(query_sweep.items())))
     off = rows[plain]
-    print(f"readahead (the reader's, on in every other row): {rec} cold {head['cold_s']:.2f} s with, "
-          f"{off['cold_s']:.2f} s without ({off['cold_s'] / head['cold_s']:.2f}x); warm {head['warm_s']:.2f} vs "
+    print(f"readahead (the reader's, on in every other row): {rec} cold {exact['cold_s']:.2f} s with, "
+          f"{off['cold_s']:.2f} s without ({off['cold_s'] / exact['cold_s']:.2f}x); warm {exact['warm_s']:.2f} vs "
           f"{off['warm_s']:.2f} s; reading alone, cold: {statistics.median(read_pass[True]):.2f} s with, "
           f"{statistics.median(read_pass[False]):.2f} s without")
-    if rec_dtype != args.dtype and (best, args.dtype) in name_of and head["size_ratio_same_dtype"]:
+    if rec_dtype != args.dtype and (best, args.dtype) in name_of and exact["size_ratio_same_dtype"]:
         ref = rows[name_of[(best, args.dtype)]]
         print(f"the recommended store {rec} against dense in its own dtype ({head['dtype']}): "
-              f"{head['size_ratio_same_dtype']:.1f}x smaller, {head['speedup_cold_same_dtype']:.2f}x cold, "
-              f"{head['speedup_warm_same_dtype']:.2f}x warm; c={best} in {args.dtype} against dense: "
+              f"{exact['size_ratio_same_dtype']:.1f}x smaller, {exact['speedup_cold_same_dtype']:.2f}x cold, "
+              f"{exact['speedup_warm_same_dtype']:.2f}x warm (exact queries); c={best} in {args.dtype} against dense: "
               f"{ref['size_ratio']:.1f}x smaller, {ref['speedup_cold']:.2f}x cold, {ref['speedup_warm']:.2f}x warm, "
               f"Spearman {ref['spearman']:.3f}")
-    print(f"recommended {rec} (c={best}, {head['dtype']}: the smallest c with Spearman >= 0.9) against dense "
-          f"{args.dtype}: {head['size_ratio']:.1f}x smaller "
+    queried = (f"queried with rank-{args.query_rank} queries" if headline != rec else "exact queries")
+    print(f"exact queries on {rec} against dense {args.dtype}: {exact['speedup_cold']:.2f}x cold, "
+          f"{exact['speedup_warm']:.2f}x warm, Spearman {exact['spearman']:.3f}")
+    print(f"recommended {rec} (c={best}, {head['dtype']}: the smallest c with Spearman >= 0.9), {queried}, "
+          f"against dense {args.dtype}: {head['size_ratio']:.1f}x smaller "
           f"[{'ok' if targets['size_10x'] else 'MISSED'} >= 10x], {speedup:.2f}x faster {basis} "
           f"[{'ok' if targets['speed_5x'] else 'MISSED'} >= 5x], Spearman {head['spearman']:.3f} "
           f"[{'ok' if targets['spearman_0.9'] else 'MISSED'} >= 0.9], peak memory "
@@ -816,7 +844,9 @@ def main(argv=None) -> dict:
               "layers": len(LAYERS), "k": K, "queries": args.queries, "top_k": args.top_k,
               "block_size": args.block_size or None, "dtype": args.dtype, "rounds": args.rounds,
               "compact_dtype": args.compact_dtype, "recommended_c": best, "recommended_dtype": head["dtype"],
-              "recommended_store": rec, "size_ratio": round(head["size_ratio"], 3), "query_speedup": round(speedup, 3),
+              "recommended_store": rec, "recommended_query_rank": head["query_rank"],
+              "recommended_arm": headline, "size_ratio": round(head["size_ratio"], 3),
+              "query_speedup": round(speedup, 3),
               "query_speedup_basis": basis, "query_speedup_cold": round(head["speedup_cold"], 3),
               "query_speedup_warm": round(head["speedup_warm"], 3), "spearman": round(head["spearman"], 4),
               f"recall_at_{args.top_k}": round(head[f"recall_at_{args.top_k}"], 4),
@@ -828,15 +858,21 @@ def main(argv=None) -> dict:
               "eviction_works": eviction_works, "resident_after_evict": resident_after_evict,
               "read_gibs_warm": round(warm_gibs, 3), "read_gibs_cold": round(cold_gibs, 3),
               "factor_check_max_rel_err": built["factor_check_max_rel_err"],
-              "readahead": {"cold_s": round(head["cold_s"], 3), "cold_s_without": round(off["cold_s"], 3),
-                            "warm_s": round(head["warm_s"], 3), "warm_s_without": round(off["warm_s"], 3),
+              "exact_queries": {"query_speedup_cold": round(exact["speedup_cold"], 3),
+                                "query_speedup_warm": round(exact["speedup_warm"], 3),
+                                "spearman": round(exact["spearman"], 4), "speed_5x": exact[f"speedup_{basis}"] >= 5},
+              "readahead": {"cold_s": round(exact["cold_s"], 3), "cold_s_without": round(off["cold_s"], 3),
+                            "warm_s": round(exact["warm_s"], 3), "warm_s_without": round(off["warm_s"], 3),
                             "speedup_cold_without": round(off["speedup_cold"], 3),
                             "read_only_cold_s": round(statistics.median(read_pass[True]), 3),
                             "read_only_cold_s_without": round(statistics.median(read_pass[False]), 3)},
               "factored_queries": ({"arm": extra, "query_rank": args.query_rank,
                                     "speedup_cold": round(rows[extra]["speedup_cold"], 3),
                                     "speedup_warm": round(rows[extra]["speedup_warm"], 3),
-                                    "spearman": round(rows[extra]["spearman"], 4)} if args.query_rank else None),
+                                    "spearman": round(rows[extra]["spearman"], 4),
+                                    "spearman_by_query_rank": {str(r): round(v, 4)
+                                                               for r, v in sorted(query_sweep.items())}}
+                                   if args.query_rank else None),
               "per_store": {name: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                             for name, r in rows.items()},
               "synthetic_energy": synthetic_energy, "real_energy": REAL_ENERGY, "real_spearman": REAL_SPEARMAN,

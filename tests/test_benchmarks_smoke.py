@@ -118,6 +118,22 @@ def test_store_query_runs(tmp_path):
     assert per["dense.bf16"]["spearman"] > 0.999 and per["dense.bf16"]["dtype"] == "bfloat16"
     assert res["same_dtype"]["size_ratio"] == pytest.approx(per[res["recommended_store"]]["size_ratio_same_dtype"],
                                                             abs=1e-3)
+    # the recommended store queried with rank-8 queries is the headline when it keeps Spearman >= 0.9;
+    # exact queries on the same store are reported beside it, with the fidelity of each query rank
+    rec, arm = res["recommended_store"], f"{res['recommended_store']}+q8"
+    fq = res["factored_queries"]
+    assert fq["arm"] == arm and set(fq["spearman_by_query_rank"]) == {"0", "1", "2", "4", "8"}
+    assert fq["spearman_by_query_rank"]["8"] == fq["spearman"] == per[arm]["spearman"]
+    assert fq["spearman_by_query_rank"]["0"] == per[rec]["spearman"]
+    assert fq["spearman_by_query_rank"]["1"] < fq["spearman_by_query_rank"]["8"]
+    assert res["exact_queries"]["spearman"] == per[rec]["spearman"]
+    if per[arm]["spearman"] >= 0.9:
+        assert res["recommended_arm"] == arm and res["recommended_query_rank"] == 8
+        assert res["spearman"] == per[arm]["spearman"]
+        assert res["peak_mb"] == pytest.approx(per[arm]["peak_full_mb"], abs=0.06)
+        assert res["peak_mb"] > 0
+    else:
+        assert res["recommended_arm"] == rec and res["recommended_query_rank"] == 0
     assert not any(tmp_path.iterdir())                                   # stores removed
 
 
@@ -131,6 +147,8 @@ def test_store_query_subset_of_stores(tmp_path):
     assert set(per) == {"dense", "c1.bf16", "c4.bf16", f"{res['recommended_store']} no-readahead"}
     assert res["recommended_store"] in ("c1.bf16", "c4.bf16") and res["recommended_dtype"] == "bfloat16"
     assert per["c4.bf16"]["peak_full_mb"] > 0 and per["c1.bf16"]["peak_full_mb"] is None
+    assert res["recommended_arm"] == res["recommended_store"] and res["factored_queries"] is None
+    assert res["query_speedup_cold"] == res["exact_queries"]["query_speedup_cold"]
     assert per["c4.bf16"]["size_ratio_same_dtype"] is None and res["same_dtype"]["size_ratio"] is None
     assert abs(per["c4.bf16"]["size_ratio"] - 64 * 64 * 4 / (4 * 128 * 2)) < 0.5      # fp32 64x64 vs bf16 c·(64+64)
     with pytest.raises(subprocess.CalledProcessError) as err:
