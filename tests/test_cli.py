@@ -69,6 +69,19 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
                  "--json", str(tmp_path / "ekfac.json")]) == 0
     assert capsys.readouterr().out.startswith("influence: hessian ekfac, damping λ per layer")
     assert json.loads((tmp_path / "ekfac.json").read_text())[0]["results"][0]["index"] == passage["index"]
+    # rank-2 queries (the CLI's --query-rank): the API's scores with query_rank=2, not the exact ones
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "graddot", "--top-k", "5",
+                 "--query-rank", "2", "--json", str(tmp_path / "q2.json")]) == 0
+    from olmo_tda.integrations.olmo_query import open_run
+    run = open_run(out / "run")
+    got = json.loads((tmp_path / "q2.json").read_text())[0]["results"]
+    want = run.attribute([passage["text"]], method="graddot", top_k=5, query_rank=2)[0]["results"]
+    exact = run.attribute([passage["text"]], method="graddot", top_k=5)[0]["results"]
+    assert [r["index"] for r in got] == [r["index"] for r in want]
+    np.testing.assert_allclose([r["score"] for r in got], [r["score"] for r in want], rtol=1e-5)
+    assert not np.allclose([r["score"] for r in got], [r["score"] for r in exact], rtol=1e-3)
+    assert main(["attribute", str(out), "--query", "x y", "--method", "tracin", "--query-rank", "2"]) == 2
+    assert "--query-rank applies to graddot, gradcos and influence" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "influence", "--rank", "16"]) == 2
     assert "--rank is the rank of --hessian lorif, not of ekfac (the default)" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "gradcos", "--damping", "1"]) == 2
