@@ -16,7 +16,9 @@ factors computed from the token factors), for every combination of
 it reports bytes stored per example and the mean per-query Spearman and Pearson of the scores
 (queries exact-projected, training rows as stored) against the exact scores, with and without the
 output head. The target: mean per-query Spearman ≥ 0.95 at ≤ 1/32 of the bytes of dense Gaussian
-k=64 in float32; the best configuration meeting it is printed as the recommendation.
+k=64 in float32; the best configuration meeting it is printed as the recommendation. Each row also
+gives the Spearman with the queries replaced by their best rank-r factors (``--query-ranks``;
+``attribute(..., query_rank=r)``, which ``store_query.py`` times), on these real gradients.
 
     python benchmarks/fidelity_bytes.py                    # d_model 256, 300 steps, 60 configurations
     python benchmarks/fidelity_bytes.py --quick            # 18 configurations incl. the recommended one
@@ -40,6 +42,7 @@ from scipy.stats import pearsonr, spearmanr
 from olmo_tda import CaptureConfig, GradientCapture
 from olmo_tda.capture.eigenbasis import estimate_eigenbasis
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
+from olmo_tda.ops import lowrank_queries
 from olmo_tda.store.record import LowRank, cat_rows
 
 
@@ -102,7 +105,7 @@ def rounded(x, dtype: str):
 def scores(queries, train_rows, layers) -> torch.Tensor:
     from olmo_tda.ops import inner
 
-    return sum(inner(queries[n].double(), train_rows[n].to(torch.float64)) for n in layers)
+    return sum(inner(queries[n].to(torch.float64), train_rows[n].to(torch.float64)) for n in layers)
 
 
 def agreement(exact: torch.Tensor, approx: torch.Tensor) -> tuple[float, float]:
@@ -123,6 +126,8 @@ def main(argv=None):
     p.add_argument("--kinds", default="gaussian,orthogonal,eigen,eigen@early,eigen@init")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--quick", action="store_true", help="ks 32,64; ranks 0,2,4; kinds gaussian,eigen,eigen@init")
+    p.add_argument("--query-ranks", default="4",
+                   help="also score with the queries as their best rank-r factors (comma list; '' for none)")
     args = p.parse_args(argv)
     if args.quick:
         args.ks, args.ranks, args.kinds = "32,64", "0,2,4", "gaussian,eigen,eigen@init"
@@ -158,6 +163,7 @@ def main(argv=None):
     del exact_train
 
     rows, query_rows = [], {}
+    query_ranks = [int(r) for r in args.query_ranks.split(",") if r.strip()]
     for kind, k, c in itertools.product(args.kinds.split(","), map(int, args.ks.split(",")),
                                         map(int, args.ranks.split(","))):
         base = {"proj_dim": k, "rank": c}
@@ -179,6 +185,8 @@ def main(argv=None):
                 sp, pe = agreement(exact[subset], scores(q_rows, stored, layers))
                 suffix = "" if subset == "all" else "_no_head"
                 row[f"spearman{suffix}"], row[f"pearson{suffix}"] = sp, pe
+            for r in query_ranks:               # the queries' best rank-r factors (query_rank=r)
+                row[f"spearman_q{r}"] = agreement(exact["all"], scores(lowrank_queries(q_rows, r), stored, names))[0]
             rows.append(row)
 
     ref_bytes = 4 * sum(min(64, ko) * min(64, ki) for ko, ki in
@@ -189,11 +197,13 @@ def main(argv=None):
           f"Q={args.num_queries}; head carries {head_mass:.0%} of |exact score| mass; "
           f"reference = dense gaussian k=64 float32 = {ref_bytes} B/example")
     print(f"{'projection':>12} {'k':>3} {'c':>2} {'dtype':>8} {'B/example':>10} {'of ref':>7} "
-          f"{'spearman':>8} {'pearson':>8} {'sp nohead':>9} {'pe nohead':>9}")
+          f"{'spearman':>8} {'pearson':>8} {'sp nohead':>9} {'pe nohead':>9}"
+          + "".join(f" {'sp q' + str(q):>8}" for q in query_ranks))
     for r in sorted(rows, key=lambda r: (r["bytes"], -r["spearman"])):
         print(f"{r['kind']:>12} {r['k']:>3} {r['c']:>2} {r['dtype']:>8} {r['bytes']:>10} "
               f"{r['bytes_ratio']:>7.4f} {r['spearman']:>8.3f} {r['pearson']:>8.3f} "
-              f"{r['spearman_no_head']:>9.3f} {r['pearson_no_head']:>9.3f}")
+              f"{r['spearman_no_head']:>9.3f} {r['pearson_no_head']:>9.3f}"
+              + "".join(f" {r[f'spearman_q{q}']:>8.3f}" for q in query_ranks))
     ok = [r for r in rows if r["bytes_ratio"] <= 1 / 32 + 1e-9 and r["spearman"] >= 0.95]
     best = max(ok, key=lambda r: (r["spearman"], -r["bytes"])) if ok else \
         max((r for r in rows if r["bytes_ratio"] <= 1 / 32 + 1e-9), key=lambda r: r["spearman"], default=None)
