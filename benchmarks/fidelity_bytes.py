@@ -174,6 +174,7 @@ def main(argv=None):
         if (kind, k) not in query_rows:          # queries are exact-projected: independent of c
             query_rows[kind, k] = capture(model, CaptureConfig(**base), query_x, stored=False)[0]
         q_rows = query_rows[kind, k]
+        q_factored = {r: lowrank_queries(q_rows, r) for r in query_ranks}     # the same for every dtype
         t_rows, floats, sizes = capture(model, CaptureConfig(**base), train_x, stored=True)
         for dtype in args.dtypes.split(","):
             stored = {n: rounded(x, dtype) for n, x in t_rows.items()}
@@ -186,7 +187,7 @@ def main(argv=None):
                 suffix = "" if subset == "all" else "_no_head"
                 row[f"spearman{suffix}"], row[f"pearson{suffix}"] = sp, pe
             for r in query_ranks:               # the queries' best rank-r factors (query_rank=r)
-                row[f"spearman_q{r}"] = agreement(exact["all"], scores(lowrank_queries(q_rows, r), stored, names))[0]
+                row[f"spearman_q{r}"] = agreement(exact["all"], scores(q_factored[r], stored, names))[0]
             rows.append(row)
 
     ref_bytes = 4 * sum(min(64, ko) * min(64, ki) for ko, ki in

@@ -668,10 +668,13 @@ def main(argv=None) -> dict:
         arms = {name: (full[name], queries, 0, True, name) for name in names}
         scores, top = {}, {}
 
+        def ranked(store, query_rank):
+            """(scores [Q, N] in example-id order, top ids) of one query pass."""
+            res = run_query(store, queries, query_rank, args.top_k, args.block_size, return_scores=True)
+            return res.all_scores.numpy()[:, np.argsort(res.all_ids, kind="stable")], res.ids
+
         def fidelity(name):
-            res = run_query(*arms[name][:3], args.top_k, args.block_size, return_scores=True)
-            scores[name] = res.all_scores.numpy()[:, np.argsort(res.all_ids, kind="stable")]
-            top[name] = res.ids
+            scores[name], top[name] = ranked(arms[name][0], arms[name][2])
         for name in names:
             fidelity(name)
         spearman = {name: spearman_vs(scores["dense"], scores[name]) for name in names}
@@ -689,14 +692,9 @@ def main(argv=None) -> dict:
             if spearman[extra] >= 0.9:
                 headline = extra
             # what each query rank costs in fidelity (untimed)
-            for r in QUERY_RANK_SWEEP:
-                if r == args.query_rank:
-                    query_sweep[r] = spearman[extra]
-                    continue
-                res = run_query(full[rec], queries, r, args.top_k, args.block_size, return_scores=True)
-                query_sweep[r] = spearman_vs(scores["dense"],
-                                             res.all_scores.numpy()[:, np.argsort(res.all_ids, kind="stable")])
-            query_sweep[0] = spearman[rec]
+            query_sweep = {r: spearman_vs(scores["dense"], ranked(full[rec], r)[0])
+                           for r in QUERY_RANK_SWEEP if r != args.query_rank}
+            query_sweep |= {0: spearman[rec], args.query_rank: spearman[extra]}
         # the reader's readahead off (its control): the same store and scores, timed without it
         plain = f"{rec} no-readahead"
         arms[plain] = (full[rec], queries, 0, False, rec)
