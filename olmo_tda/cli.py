@@ -180,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     attr = sub.add_parser("attribute", help="which training passages made the model produce these texts?")
     attr.add_argument("run", help="run directory of olmo-tda train (or the demo's output folder)")
     attr.add_argument("--ids", help="TracIn-CP: only these training instances (\"3,5,9\" or @file); default all")
-    attr.add_argument("--hessian", choices=["raw", "lorif", "ekfac"],
-                      help="influence: EK-FAC (default), explicit D×D Fisher or rank-r Woodbury")
+    attr.add_argument("--hessian", choices=["raw", "lorif", "ekfac", "joint"],
+                      help="influence: EK-FAC (default), explicit D×D Fisher per layer, rank-r Woodbury, or one "
+                           "explicit Fisher over all layers together (joint; small stores)")
     attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
     attr.add_argument("--rank", type=int, help="influence lorif: rank r of the Fisher (default 64)")
     attr.add_argument("--route", choices=["auto", "model", "factorized", "materialized"], default="auto",

@@ -69,6 +69,13 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
                  "--json", str(tmp_path / "ekfac.json")]) == 0
     assert capsys.readouterr().out.startswith("influence: hessian ekfac, damping λ per layer")
     assert json.loads((tmp_path / "ekfac.json").read_text())[0]["results"][0]["index"] == passage["index"]
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "joint",
+                 "--json", str(tmp_path / "joint.json")]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("influence: hessian joint, damping λ per layer ")
+    lam = text.split("per layer ")[1].split(" over")[0].split("..")
+    assert lam[0] == lam[1]                                              # one λ for the whole model
+    assert json.loads((tmp_path / "joint.json").read_text())[0]["results"][0]["index"] == passage["index"]
     # rank-2 queries (the CLI's --query-rank): the API's scores with query_rank=2, not the exact ones
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "graddot", "--top-k", "5",
                  "--query-rank", "2", "--json", str(tmp_path / "q2.json")]) == 0

@@ -199,6 +199,45 @@ def test_ekfac_influence_on_a_tiny_olmo_equals_the_explicit_ekfac_matrix(olmo_gr
         assert rel_err(scores, want) < 1e-6, ratio
 
 
+def test_joint_influence_equals_the_explicit_whole_model_inverse_on_a_tiny_olmo(olmo_grads, monkeypatch):
+    """hessian="joint": one damped Fisher over all layers' coordinates (cross-layer blocks included),
+    λ = ratio·tr(F)/D, against the explicit inverse built here from the torch.func gradients; streamed
+    in blocks of 10 rows, at a fixed damping, and through the fitted-Fisher cache."""
+    layers = olmo_grads["layers"]
+    g = torch.cat([olmo_grads["train"][n].reshape(48, -1) for n in layers], 1).double()
+    q = torch.cat([olmo_grads["query"][n].reshape(4, -1) for n in layers], 1).double()
+    inv, lam = _explicit(g)
+    want = q @ inv @ g.T
+    for f in (olmo_grads["store"].path / "cache").glob("*"):
+        f.unlink()
+    for options in ({}, {"block_size": 10}):
+        res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", top_k=5,
+                        return_scores=True, projector_hash=None, **options)
+        scores = res.all_scores[:, np.argsort(res.all_ids)]
+        assert rel_err(scores, want) < 1e-6 and res.info["hessian"] == "joint"
+        assert set(res.info["damping"]) == set(layers) and all(v == pytest.approx(lam) for v in
+                                                               res.info["damping"].values())
+    assert res.info["cached"]                 # the second question read the fitted factor back
+    inv3, _ = _explicit(g, damping=3.0)
+    res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", damping=3.0,
+                    top_k=1, return_scores=True)
+    assert rel_err(res.all_scores[:, np.argsort(res.all_ids)], q @ inv3 @ g.T) < 1e-6
+    # per-layer raw is a different estimator: the cross-layer blocks change the scores
+    raw = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="raw", top_k=1,
+                    return_scores=True)
+    assert rel_err(raw.all_scores[:, np.argsort(raw.all_ids)], want) > 1e-2
+    # queries must carry the fitted layers; too wide a store is refused before any pass
+    method = get_method("influence", hessian="joint")
+    method.fit(olmo_grads["store"], layers)
+    with pytest.raises(ValueError, match="was fitted on layers"):
+        method.prepare({layers[0]: olmo_grads["queries"][layers[0]]})
+    import olmo_tda.methods.influence as influence_module
+
+    monkeypatch.setattr(influence_module, "JOINT_MAX_DIM", g.shape[1] - 1)
+    with pytest.raises(ValueError, match=rf"{g.shape[1]}×{g.shape[1]} Fisher over all {len(layers)} layers"):
+        attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", damping=1.0)
+
+
 def test_influence_damping_sweep(olmo_grads):
     """Damping moves influence from a sharp inverse (small λ) to its λ → ∞ limit, a gradient dot with
     each layer weighted by 1/λ_l ∝ D_l/tr(F_l) (per-layer damping); at every λ the implementation
@@ -223,7 +262,7 @@ def test_influence_damping_sweep(olmo_grads):
 
 
 def test_influence_bad_options_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="hessian must be 'raw', 'lorif' or 'ekfac'"):
+    with pytest.raises(ValueError, match="hessian must be 'raw', 'lorif', 'ekfac' or 'joint'"):
         get_method("influence", hessian="kfac")
     with pytest.raises(ValueError, match="damping must be > 0"):
         get_method("influence", damping=0.0)
@@ -232,13 +271,13 @@ def test_influence_bad_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="not of hessian='raw'"):
         get_method("influence", hessian="raw", rank=64)
     store = _store(tmp_path, {"fc": torch.zeros(4, 2, 2)})
-    for hessian in ("ekfac", "raw", "lorif"):
-        with pytest.raises(ValueError, match="zero gradients"):
+    for hessian in ("ekfac", "raw", "lorif", "joint"):
+        with pytest.raises(ValueError, match="zero gradients|gradients are all zero"):
             attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence", hessian=hessian)
     assert get_method("influence").hessian == "ekfac"
 
 
-@pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac"])
+@pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac", "joint"])
 def test_fitted_fisher_is_cached_beside_the_store_and_a_damaged_cache_is_recomputed(olmo_grads, hessian, caplog):
     store = olmo_grads["store"]
     rank = {"rank": 16} if hessian == "lorif" else {}

@@ -1,4 +1,4 @@
-"""Influence with a damped, block-diagonal (per layer) projected Fisher: explicit or low-rank.
+"""Influence with a damped projected Fisher: per layer (explicit, low-rank or EK-FAC) or joint.
 
 ``score(q, i) = Σ_l ĝ_q,lᵀ (F_l + λ_l I)⁻¹ ĝ_i,l`` with ``F_l = (1/N) Σ_i vec(ĝ_i,l) vec(ĝ_i,l)ᵀ``
 over the store's N rows, D_l = k_out·k_in the flattened width of layer l.
@@ -18,6 +18,13 @@ over the store's N rows, D_l = k_out·k_in the flattened width of layer l.
   O(k_out² + k_in² + D) per layer (k=64 per side: 96 KiB a layer, where raw holds 128 MiB). Exact
   when F is diagonal in a Kronecker basis; otherwise an approximation of ``raw``. The default: it
   predicts retraining best (``benchmarks/lds.py``), though it agrees less with the exact inverse.
+
+- ``hessian="joint"``: one explicit Fisher over every layer's stored coordinates together,
+  ``F = (1/N) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i`` the concatenation of the example's layers (D = Σ_l D_l;
+  TRAK's estimator, cross-layer blocks included), one λ = ``damping_ratio · tr(F)/D``, applied by
+  a Cholesky solve. Memory O(D²) for the whole model, so it is for small stores (refused above
+  D = 16384: 2 GiB); there it agrees with exact per-layer damped-Fisher influence better than the
+  per-layer ``raw`` on eigenbasis stores (``benchmarks/peers/influence_levers.py``).
 
 Damping ``λ_l`` defaults to ``damping_ratio · tr(F_l)/D_l`` (0.1: the usual LoGRA choice); a number
 passed as ``damping`` is used for every layer. It dominates quality, so the values used are in
@@ -40,7 +47,8 @@ import torch
 from ..ops import ROUTES, flat, inner, lowrank_queries
 from .base import register_method
 
-__all__ = ["Influence", "ekfac_fisher", "ekfac_apply", "fisher_stats", "lowrank_fisher", "woodbury_apply"]
+__all__ = ["Influence", "ekfac_fisher", "ekfac_apply", "fisher_stats", "joint_fisher", "lowrank_fisher",
+           "woodbury_apply"]
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +163,25 @@ def ekfac_apply(q: torch.Tensor, u_out: torch.Tensor, u_in: torch.Tensor, evals:
     return u_out @ ((u_out.T @ q @ u_in) / (evals + damping)) @ u_in.T
 
 
-HESSIANS = ("raw", "lorif", "ekfac")
+HESSIANS = ("raw", "lorif", "ekfac", "joint")
+JOINT_MAX_DIM = 16384
+"""The widest store ``hessian="joint"`` accepts: its D×D float64 Fisher is 2 GiB there."""
+_JOINT = "__joint__"
+
+
+def joint_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = None
+                 ) -> tuple[torch.Tensor, float, int]:
+    """One pass: ``(F [D, D], tr(F), N)`` over the rows' layers concatenated in ``layers`` order."""
+    fisher, num = None, 0
+    for block in store.iter_blocks(layers=list(layers), block_size=block_size):
+        num += len(block.ids)
+        g = torch.cat([_flat(block.grads[name]) for name in layers], dim=1)
+        gram = g.T @ g
+        fisher = gram if fisher is None else fisher + gram
+    if num == 0:
+        raise ValueError("influence needs training rows in the store to estimate the Fisher")
+    fisher = fisher / num
+    return fisher, float(torch.trace(fisher)), num
 
 
 def _double(g: Any) -> Any:
@@ -175,7 +201,7 @@ class Influence:
                  rank: int | None = None, oversample: int = 8, iterations: int = 3, seed: int = 0,
                  route: str = "auto", query_rank: int = 0):
         if hessian not in HESSIANS:
-            raise ValueError(f"influence: hessian must be 'raw', 'lorif' or 'ekfac', got {hessian!r}")
+            raise ValueError(f"influence: hessian must be 'raw', 'lorif', 'ekfac' or 'joint', got {hessian!r}")
         if damping is not None and not damping > 0:
             raise ValueError(f"influence: damping must be > 0, got {damping!r}")
         if not damping_ratio > 0:
@@ -229,9 +255,9 @@ class Influence:
         from safetensors.torch import save_file
 
         tensors = {}
-        for i, name in enumerate(layers):
+        for i, name in enumerate([_JOINT] if self.hessian == "joint" else layers):
             factor = self._fitted["factors"][name]
-            if self.hessian == "raw":
+            if self.hessian in ("raw", "joint"):
                 tensors[f"{i}.chol"] = factor.contiguous()
             elif self.hessian == "ekfac":
                 tensors[f"{i}.u_out"], tensors[f"{i}.u_in"], tensors[f"{i}.evals"] = (t.contiguous() for t in factor)
@@ -257,19 +283,21 @@ class Influence:
                 if json.loads(meta["layers"]) != list(layers):
                     return False
                 factors = {}
-                keys = {"raw": ["chol"], "lorif": ["vecs", "evals"], "ekfac": ["u_out", "u_in", "evals"]}
-                for i, name in enumerate(layers):
+                keys = {"raw": ["chol"], "joint": ["chol"], "lorif": ["vecs", "evals"], "ekfac": ["u_out", "u_in", "evals"]}
+                for i, name in enumerate([_JOINT] if self.hessian == "joint" else layers):
                     parts = [f.get_tensor(f"{i}.{key}") for key in keys[self.hessian]]
-                    factors[name] = parts[0] if self.hessian == "raw" else tuple(parts)
+                    factors[name] = parts[0] if self.hessian in ("raw", "joint") else tuple(parts)
                 info = json.loads(meta["info"])
         except Exception as e:   # noqa: BLE001 - a damaged cache is recomputed, never trusted
             log.warning("influence: ignoring unreadable cache %s (%s)", path, e)
             return False
-        self._fitted = {"factors": factors, "damping": info["damping"]}
+        self._fitted = {"factors": factors, "damping": info["damping"], "layers": list(layers)}
         self.info = {**info, "cached": True}
         return True
 
     def _fit(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
+        if self.hessian == "joint":
+            return self._fit_joint(store, layers, block_size)
         if self.hessian == "ekfac":
             fisher, trace, num = ekfac_fisher(store, layers, block_size=block_size)
         else:
@@ -288,13 +316,31 @@ class Influence:
         else:
             factors = lowrank_fisher(store, layers, self.rank, oversample=self.oversample,
                                      iterations=self.iterations, block_size=block_size, seed=self.seed)
-        self._fitted = {"factors": factors, "damping": damping}
+        self._fitted = {"factors": factors, "damping": damping, "layers": list(layers)}
         self.info = {"hessian": self.hessian, "damping": damping, "num_rows": num,
                      **({"rank": self.rank} if self.hessian == "lorif" else {})}
+
+    def _fit_joint(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
+        shapes = store.layer_shapes
+        dim = sum(shapes[n][0] * shapes[n][1] for n in layers)
+        if dim > JOINT_MAX_DIM:
+            raise ValueError(f"influence: hessian='joint' needs a {dim}×{dim} Fisher over all {len(layers)} layers "
+                             f"({dim * dim * 8 / 2 ** 30:.1f} GiB in float64); it takes at most {JOINT_MAX_DIM} "
+                             "stored floats per example. Use hessian='ekfac' or 'lorif' (per layer) for this store")
+        fisher, trace, num = joint_fisher(store, layers, block_size=block_size)
+        lam = self.damping if self.damping is not None else self.damping_ratio * trace / dim
+        if not lam > 0:
+            raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; pass damping=")
+        chol = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
+        damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
+        self._fitted = {"factors": {_JOINT: chol}, "damping": damping, "layers": list(layers)}
+        self.info = {"hessian": "joint", "damping": damping, "num_rows": num}
 
     def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._fitted is None:
             raise RuntimeError("influence: fit(store, layers) must run before prepare (attribute() does it)")
+        if self.hessian == "joint":
+            return lowrank_queries(self._prepare_joint(queries), self.query_rank)
         out = {}
         for name, q in queries.items():
             flat = _flat(q)
@@ -309,6 +355,21 @@ class Influence:
         if self.query_rank:
             self.info = {**self.info, "query_rank": self.query_rank}
         return lowrank_queries(out, self.query_rank)
+
+    def _prepare_joint(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        layers = self._fitted["layers"]
+        if set(queries) != set(layers):
+            raise ValueError(f"influence: hessian='joint' was fitted on layers {layers}; the queries have "
+                             f"{sorted(queries)}")
+        flats = [_flat(queries[name]) for name in layers]
+        pre = torch.cholesky_solve(torch.cat(flats, dim=1).T, self._fitted["factors"][_JOINT]).T
+        out, lo = {}, 0
+        for name, f in zip(layers, flats):
+            out[name] = pre[:, lo:lo + f.shape[1]].reshape(queries[name].shape)
+            lo += f.shape[1]
+        if self.query_rank:
+            self.info = {**self.info, "query_rank": self.query_rank}
+        return out
 
     def score_block(self, state: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> torch.Tensor:
         total = None
