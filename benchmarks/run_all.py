@@ -1,7 +1,8 @@
 """Run the benchmarks and regenerate their generated sections of docs/BENCHMARKS.md.
 
-    python -m benchmarks.run_all                 # peers side by side (~10 min), then rewrite the doc
-    python -m benchmarks.run_all --quick         # peers --quick (~3 min)
+    python -m benchmarks.run_all                 # peers side by side, both models (~25 min), then the doc
+    python -m benchmarks.run_all --quick         # peers --quick (~8 min)
+    python -m benchmarks.run_all --arch olmo     # only the ai2-olmo model's table
     python -m benchmarks.run_all --all           # also every other script (its --quick where it has one)
 
 Generated text sits between ``<!-- BEGIN GENERATED: name -->`` and ``<!-- END GENERATED: name -->``.
@@ -40,6 +41,13 @@ OTHERS = {
 }
 
 
+# the peers workload's model -> (generated block, the section it is appended under if absent)
+BLOCKS = {
+    "linear": ("peers", "## Side by side with the peers (issue 8) — dattri-llm, Kronfluence, dattri, TRAK, LogIX"),
+    "olmo": ("peers_olmo", "### The same on ai2-olmo's OLMo model"),
+}
+
+
 def replace_block(doc: str, name: str, body: str, title: str) -> str:
     """``doc`` with block ``name`` holding ``body`` (appended under ``title`` if absent)."""
     begin, end = f"<!-- BEGIN GENERATED: {name} -->", f"<!-- END GENERATED: {name} -->"
@@ -70,17 +78,26 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true", help="also run every other benchmark script")
     p.add_argument("--venvs", type=Path, default=None, help="where the peers' venvs live (created if missing)")
     p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--arch", default="linear,olmo",
+                   help="the peers workload's models, comma-separated: linear (plain nn.Linear LM), olmo (ai2-olmo)")
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
     import run as peers  # noqa: E402  (benchmarks/peers/run.py)
 
+    archs = [a.strip() for a in args.arch.split(",") if a.strip()]
+    for a in archs:
+        if a not in BLOCKS:
+            p.error(f"unknown --arch {a!r}; known: {', '.join(BLOCKS)}")
     peer_args = (["--quick"] if args.quick else []) + (["--venvs", str(args.venvs)] if args.venvs else [])
-    result = peers.main(peer_args)
-    result["command"] = "python -m benchmarks.run_all" + (" --quick" if args.quick else "")
     doc = args.doc.read_text() if args.doc.exists() else "# Benchmarks\n"
-    doc = replace_block(doc, "peers", peers.markdown(result),
-                        "## Side by side with the peers (issue 8) — dattri-llm, Kronfluence, dattri, TRAK, LogIX")
+    for arch in archs:
+        result = peers.main([*peer_args, "--arch", arch])
+        result["command"] = "python -m benchmarks.run_all" + (" --quick" if args.quick else "") + \
+            (f" --arch {args.arch}" if args.arch != "linear,olmo" else "")
+        block, title = BLOCKS[arch]
+        doc = replace_block(doc, block, peers.markdown(result), title)
+        args.doc.write_text(doc)             # each table as soon as it exists
     if args.all:
         lines = ["| script | seconds | JSON last line |", "|---|--:|---|"]
         for name, flags in OTHERS.items():

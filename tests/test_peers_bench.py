@@ -8,8 +8,10 @@ measured against: the exact scores, and the Spearman that compares with them.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +28,11 @@ TINY = W.Workload(d_model=32, n_heads=2, n_layers=1, seq_len=16, n_train=24, n_q
                   warmup_steps=5)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("peers_work")
-    W.prepare(d, TINY)
+@pytest.fixture(scope="module", params=W.ARCHS)
+def workdir(tmp_path_factory, request):
+    """The tiny workload on each model: the plain nn.Linear LM, and ai2-olmo's OLMo."""
+    d = tmp_path_factory.mktemp(f"peers_work_{request.param}")
+    W.prepare(d, replace(TINY, arch=request.param))
     return d
 
 
@@ -46,6 +49,62 @@ def test_exact_gradients_match_per_example_backward(workdir):
     assert exact.shape == (TINY.n_query, TINY.n_train)
     full = W.exact_gradients(model, query) @ W.exact_gradients(model, train).T
     np.testing.assert_allclose(exact, full.numpy(), rtol=1e-4, atol=1e-3)
+    # every Linear is scored, with its shape recorded for the table
+    scored = json.loads((workdir / "scored.json").read_text())
+    assert list(scored) == names and all(scored[n] == list(getattr_path(model, n).weight.shape) for n in names)
+    if w.arch == "olmo":
+        from olmo.model import OLMo
+
+        assert isinstance(model.model, OLMo) and names[-1] == "model.transformer.ff_out"
+        assert len(names) == 4 * TINY.n_layers + 1          # att_proj, attn_out, ff_proj, ff_out; the head
+
+
+def test_unknown_arch_is_refused():
+    with pytest.raises(ValueError, match="unknown workload arch 'gpt'"):
+        W.build_model(replace(TINY, arch="gpt"))
+
+
+def test_olmo_arch_without_ai2_olmo_names_the_folder_variable(tmp_path):
+    """A peer's venv has no ai2-olmo: without OLMO_TDA_PEERS_OLMO_LIB the error says what is missing;
+    with it, the folder is appended after the venv's own packages and the model builds."""
+    # in the child, 'olmo' is found only inside a folder named olmo_lib that is on sys.path
+    block = ("import sys, importlib.abc, importlib.machinery\n"
+             "class OnlyFromLib(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             "        if name != 'olmo':\n"
+             "            return None\n"
+             "        libs = [p for p in sys.path if p.endswith('olmo_lib')]\n"
+             "        if not libs:\n"
+             "            raise ImportError('No module named olmo')\n"
+             "        return importlib.machinery.PathFinder.find_spec(name, libs)\n"
+             "sys.meta_path.insert(0, OnlyFromLib())\n"
+             f"sys.path.insert(0, {str(PEERS)!r})\n"
+             "import workload as W\n"
+             "m = W.build_model(W.Workload(d_model=16, n_heads=2, n_layers=1, seq_len=8, arch='olmo'))\n"
+             "import olmo\n"
+             "print(sys.path[-1], olmo.__file__, W.linear_names(m)[-1])\n")
+    env = {k: v for k, v in os.environ.items() if k != W.OLMO_LIB_ENV}
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and W.OLMO_LIB_ENV in r.stderr and "needs ai2-olmo" in r.stderr
+    # a stand-in folder: the real site-packages, named like venvs.olmo_lib's folder
+    import olmo
+
+    lib = tmp_path / "olmo_lib"
+    lib.symlink_to(Path(olmo.__file__).resolve().parents[1])
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120,
+                       env={**env, W.OLMO_LIB_ENV: str(lib)})
+    assert r.returncode == 0, r.stderr
+    last, olmo_file, head = r.stdout.split()
+    assert last == str(lib) and olmo_file.startswith(str(lib)) and head == "model.transformer.ff_out"
+
+
+def test_olmo_lib_reports_a_missing_pin(monkeypatch, tmp_path):
+    import venvs
+
+    monkeypatch.setattr(venvs, "OLMO_IMPORT_DEPS", [*venvs.OLMO_IMPORT_DEPS, "no-such-dist-olmo-tda"])
+    res = venvs.olmo_lib(tmp_path, log=lambda m: None)
+    assert not res["ok"] and "no-such-dist-olmo-tda" in res["reason"]
+    assert not (tmp_path / "_olmo_lib").exists()
 
 
 def getattr_path(model, name):
@@ -133,9 +192,11 @@ def test_missing_peer_becomes_a_failed_row():
     assert "failed: install: import no_such_peer_module" in text and "| LogIX (logix-ai) | 0.1.1 | 50 | 2.0 |" in text
 
 
-def test_run_with_ours_only_prints_json(tmp_path):
+@pytest.mark.parametrize("arch", W.ARCHS)
+def test_run_with_ours_only_prints_json(tmp_path, arch):
     out = subprocess.run([sys.executable, str(PEERS / "run.py"), "--systems", "olmo_tda", "--repeats", "1",
-                          "--n-train", "32", "--d-model", "32", "--seq-len", "16", "--out", str(tmp_path / "r.json")],
+                          "--n-train", "32", "--d-model", "32", "--seq-len", "16", "--out", str(tmp_path / "r.json"),
+                          "--arch", arch],
                          check=True, capture_output=True, text=True, timeout=600).stdout
     last = json.loads(out.strip().splitlines()[-1])
     assert last["systems"]["olmo_tda"]["ok"] and last["throughput_vs_dattri_llm"] is None
@@ -143,6 +204,16 @@ def test_run_with_ours_only_prints_json(tmp_path):
     full = json.loads((tmp_path / "r.json").read_text())
     assert full["rows"]["olmo_tda"]["overhead"] is not None
     assert -1 <= full["rows"]["olmo_tda"]["influence_spearman"] <= 1
+    import run as peers
+
+    text = peers.markdown(full)
+    if arch == "olmo":
+        assert full["command"].endswith("--arch olmo") and "ai2-olmo's OLMo" in text
+        assert "9 bias-free nn.Linear layers scored (attn_out 32×32, ff_out 32×64, att_proj 96×32, ff_proj " \
+               "128×32, transformer.ff_out 256×32)" in text
+    else:
+        assert "13 bias-free nn.Linear layers scored (q 32×32, k 32×32, v 32×32, o 32×32, up 128×32, down " \
+               "32×128, head 256×32)" in text
 
 
 def test_run_all_rewrites_only_its_block():
@@ -195,6 +266,7 @@ def test_influence_levers_rows_and_its_fisher_helper_against_the_exact_influence
     assert set(result) == {"ekfac_full", "kfac_full", "fisher_kron", "fisher_eigen", "fisher_layer_jl",
                            "fisher_layer_jl2x", "fisher_global_jl", "fisher_global_kron", "precond_then_kron",
                            "exact_precond_then_kron", "precond_then_eigen", "ekfac_kron", "ekfac_eigen",
-                           "split_count", "split_deff", "split_size", "split_even"}
+                           "split_count", "split_deff", "split_size", "split_even", "fisher_eigen_joint",
+                           "split_count_joint"}
     assert all(-1 <= r["spearman"] <= 1 for r in result.values())
     assert result["fisher_kron"]["floats"] == 7 * 16 and result["ekfac_full"]["floats"] == "all"

@@ -28,6 +28,8 @@ per-example gradients (``torch.func``) and its exact influence (``workload.exact
 - ``fisher_global_jl``: one dense projection of the concatenated gradient to the same total
   (832) with one Fisher over it (TRAK's construction);
 - ``fisher_global_kron``: our Kronecker coordinates with one Fisher across layers;
+- ``fisher_eigen_joint`` / ``split_count_joint``: ``fisher_eigen``'s and ``split_count``'s rows with
+  one Fisher across layers — ``hessian="joint"`` on those stores;
 - ``precond_then_kron`` / ``exact_precond_then_kron`` / ``precond_then_eigen``: curvature
   applied in the full space to the query first (EK-FAC, or the exact damped inverse), then the
   projected inner product with the stored gradient.
@@ -36,6 +38,7 @@ Every λ is 0.1 × the mean eigenvalue of what is inverted (the peers benchmark'
 
     python -m benchmarks.peers.influence_levers --workdir /tmp/pw    # after a peers run (~2 min)
     python -m benchmarks.peers.influence_levers                      # prepares a fresh workload first
+    python -m benchmarks.peers.influence_levers --arch olmo          # ... on ai2-olmo's OLMo model
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ from olmo_tda.capture.eigenbasis import BUDGET_DAMPING, allocate_budget, best_re
 from olmo_tda.capture.projection import make_projector
 from olmo_tda.methods.influence import ekfac_apply
 
-from .workload import (RELATIVE_DAMPING, Workload, exact_gradients, example_losses, linear_names, load,
+from .workload import (ARCHS, RELATIVE_DAMPING, Workload, exact_gradients, example_losses, linear_names, load,
                        prepare, spearman_rows)
 
-PEERS = {"Kronfluence (EK-FAC, unprojected)": 0.576, "TRAK (832)": 0.456}
-"""The peers' influence Spearman in the recorded peers run (docs/BENCHMARKS.md), for the table."""
+PEERS = {"linear": {"Kronfluence (EK-FAC, unprojected)": 0.576, "TRAK (832)": 0.456},
+         "olmo": {"Kronfluence (EK-FAC, unprojected)": 0.483, "TRAK (576)": 0.511}}
+"""The peers' influence Spearman in the recorded peers runs (docs/BENCHMARKS.md), per workload model,
+for the table."""
 
 
 def token_covariances(model, train: torch.Tensor, names: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -133,6 +138,8 @@ def run(workdir: Path, seeds: int) -> dict:
         runs[rep] += value
 
     coords: dict[int, tuple[list, list]] = {rep: ([], []) for rep in range(seeds)}
+    eigen_coords: tuple[list, list] = ([], [])          # fisher_eigen's rows, for one Fisher across layers
+    count_coords: tuple[list, list] = ([], [])          # split_count's rows, likewise
     global_jl = {rep: torch.randn(len(names) * w.k * w.k, g_all.shape[1], generator=gen, dtype=torch.float64)
                  for rep in range(seeds)}
     def per_layer():
@@ -166,6 +173,8 @@ def run(workdir: Path, seeds: int) -> dict:
         e_out, e_in = u_out[:, :k_out].T, u_in[:, :k_in].T
         g_eig = e_out @ g @ e_in.T
         add("fisher_eigen", 0, projected_fisher_scores(g_eig.reshape(n, -1), (e_out @ q @ e_in.T).reshape(len(q), -1)))
+        eigen_coords[0].append(g_eig.reshape(n, -1))
+        eigen_coords[1].append((e_out @ q @ e_in.T).reshape(len(q), -1))
         add("ekfac_eigen", 0, projected_ekfac_scores(g_eig, e_out @ q @ e_in.T))
         add("precond_then_eigen", 0, torch.einsum("qoi,noi->qn", e_out @ q_ekfac @ e_in.T, g_eig))
         for rep in range(seeds):
@@ -200,9 +209,15 @@ def run(workdir: Path, seeds: int) -> dict:
         for name, g, q in per_layer():
             (a, b), total = dims[name], total + dims[name][0] * dims[name][1]
             e_out, e_in = eig_desc(covs[name][1])[1][:, :a].T, eig_desc(covs[name][0])[1][:, :b].T
-            add(key, 0, projected_fisher_scores((e_out @ g @ e_in.T).reshape(n, -1),
-                                                (e_out @ q @ e_in.T).reshape(len(q), -1)))
+            g_k, q_k = (e_out @ g @ e_in.T).reshape(n, -1), (e_out @ q @ e_in.T).reshape(len(q), -1)
+            add(key, 0, projected_fisher_scores(g_k, q_k))
+            if key == "split_count":
+                count_coords[0].append(g_k)
+                count_coords[1].append(q_k)
         assert total <= budget, (key, total, budget)
+    # hessian="joint": the same stored rows, one damped Fisher across all layers (cross-layer blocks kept)
+    add("fisher_eigen_joint", 0, projected_fisher_scores(torch.cat(eigen_coords[0], 1), torch.cat(eigen_coords[1], 1)))
+    add("split_count_joint", 0, projected_fisher_scores(torch.cat(count_coords[0], 1), torch.cat(count_coords[1], 1)))
     for rep in range(seeds):
         add("fisher_global_kron", rep, projected_fisher_scores(torch.cat(coords[rep][0], 1), torch.cat(coords[rep][1], 1)))
         r = global_jl[rep]
@@ -218,22 +233,24 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default=None, help="a peers run's workdir (default: a fresh one under /tmp)")
     p.add_argument("--seeds", type=int, default=3, help="projection seeds for the random rows")
+    p.add_argument("--arch", choices=ARCHS, default="linear", help="the model of a fresh workload (no --workdir)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     t0 = time.perf_counter()
-    workdir = Path(args.workdir or "/tmp/olmo_tda_influence_levers")
+    workdir = Path(args.workdir or f"/tmp/olmo_tda_influence_levers_{args.arch}")
     if not (workdir / "exact_influence.npy").exists():
-        prepare(workdir, Workload())
+        prepare(workdir, Workload(arch=args.arch))
     result = run(workdir, args.seeds)
+    peers = PEERS.get(Workload.load(workdir / "workload.json").arch, {})
     print(f"influence levers: peers workload ({workdir}), Spearman vs exact per-layer damped empirical-Fisher "
           f"influence, mean over {args.seeds} projection seed(s)")
     print(f"{'approximation':28s} {'floats/example':>16s} {'Spearman':>9s}  runs")
     for key, r in sorted(result.items(), key=lambda kv: -kv[1]["spearman"]):
         print(f"{key:28s} {r['floats']:>16} {r['spearman']:9.3f}  {r['runs']}")
-    for peer, value in PEERS.items():
+    for peer, value in peers.items():
         print(f"{'(peer) ' + peer:45s} {value:9.3f}")
     out = {"benchmark": "influence_levers", "workdir": str(workdir), "seeds": args.seeds, "results": result,
-           "peers_recorded": PEERS, "seconds": round(time.perf_counter() - t0, 1)}
+           "peers_recorded": peers, "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out))
     return out
 

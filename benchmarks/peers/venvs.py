@@ -37,6 +37,53 @@ PEERS: dict[str, tuple[str, str, list[list[str]]]] = {
 }
 
 
+# The OLMo workload (``--arch olmo``) runs ai2-olmo's model inside every peer's venv. OLMo's package
+# imports its cloud-I/O helpers at module level, so these come with it; each is pinned to the version
+# in this (the orchestrator's) environment. They go into one folder of their own, never into a peer's
+# venv: the workload appends it to the end of sys.path, so the peer's own packages keep priority.
+OLMO_DIST = "ai2-olmo"
+OLMO_IMPORT_DEPS = ["boto3", "datasets", "requests", "rich", "cached_path", "importlib_resources", "tokenizers",
+                    "omegaconf", "google-cloud-storage"]
+
+
+def olmo_lib(root: Path = DEFAULT_DIR, *, log=print, python: Path | None = None) -> dict:
+    """``{"ok": True, "path"}``: a folder from which ``python`` (a peer's interpreter) imports
+    ``olmo.model``, created once under ``root``; or ``{"ok": False, "reason"}``."""
+    import importlib.metadata as md
+
+    lib = root / "_olmo_lib"
+    try:
+        pins = [f"{OLMO_DIST}=={md.version(OLMO_DIST)}", *(f"{d}=={md.version(d)}" for d in OLMO_IMPORT_DEPS)]
+    except md.PackageNotFoundError as exc:
+        return {"ok": False, "reason": f"this environment lacks {exc} (pip install -e '.[dev]')"}
+    stamp = lib / "pins.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == pins):
+        log(f"[peers] installing {pins[0]} and its import-time dependencies into {lib}")
+        root.mkdir(parents=True, exist_ok=True)
+        logfile = root / "_olmo_lib.install.log"
+        with open(logfile, "w") as out:
+            failed = None
+            # ai2-olmo without its declared dependencies (they include torch: never a second one)
+            for args in (["--no-deps", pins[0]], pins[1:]):
+                cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--upgrade",
+                       "--target", str(lib), *args]
+                out.write("$ " + " ".join(cmd) + "\n")
+                out.flush()
+                if failed is None and subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode:
+                    failed = "pip install --target " + " ".join(args)
+        if failed:
+            tail = logfile.read_text().strip().splitlines()[-3:]
+            return {"ok": False, "reason": f"{failed} failed: {' | '.join(tail)}", "log": str(logfile)}
+        stamp.write_text(json.dumps(pins))
+    code = ("import sys; sys.path.append(sys.argv[1]); import torch; from olmo.model import OLMo; "
+            "assert torch.__file__.startswith(sys.prefix), torch.__file__")
+    r = subprocess.run([str(python or sys.executable), "-c", code, str(lib)], capture_output=True, text=True)
+    if r.returncode:
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else str(r.returncode)
+        return {"ok": False, "reason": f"olmo.model does not import from {lib}: {last}"}
+    return {"ok": True, "path": str(lib)}
+
+
 def python_of(venv: Path) -> Path:
     return venv / "bin" / "python"
 

@@ -3,9 +3,15 @@
 This module imports only torch and numpy, because it runs inside every peer's own venv, next to that
 peer, where olmo_tda is not installed.
 
-- Model: a small causal LM made only of plain ``nn.Linear`` layers (bias-free, so no library's bias
-  convention matters), with token and position embeddings, LayerNorm, and causal attention.
+- Model (``Workload.arch``): ``"linear"``, a small causal LM made only of plain ``nn.Linear`` layers
+  (bias-free, so no library's bias convention matters), with token and position embeddings,
+  LayerNorm, and causal attention; or ``"olmo"``, ai2-olmo's own ``OLMo`` at the same size (RoPE,
+  SwiGLU, fused QKV, SDPA attention, untied bias-free head), wrapped to return logits.
 - Scored layers: every ``nn.Linear`` weight. These are the layers all five peers can hook.
+- ``"olmo"`` imports ai2-olmo. A peer's venv does not have it: the orchestrator installs ai2-olmo and
+  its import-time dependencies once into a separate folder (``venvs.olmo_lib``) and names it in
+  ``OLMO_TDA_PEERS_OLMO_LIB``; it is appended to the end of ``sys.path``, so every package the peer
+  installed itself still wins.
 - Loss: next-token cross-entropy summed over the positions of an example. Each example's gradient
   is the gradient of its own summed loss.
 - Data: byte-level passages of real text. The orchestrator cuts them once and saves them, so every
@@ -46,6 +52,8 @@ class Workload:
     damping: float = 1e-3
     warmup_steps: int = 150
     seed: int = 0
+    arch: str = "linear"
+    """``"linear"`` (``TinyLM``) or ``"olmo"`` (``OLMoLM``: ai2-olmo's model)."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -100,6 +108,54 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x))
 
 
+OLMO_LIB_ENV = "OLMO_TDA_PEERS_OLMO_LIB"
+ARCHS = ("linear", "olmo")
+
+
+def _olmo():
+    """``(OLMo, ModelConfig)``; where this venv lacks ai2-olmo, from the folder ``OLMO_LIB_ENV`` names
+    (appended last to ``sys.path``: the venv's own packages keep priority)."""
+    try:
+        from olmo.config import ModelConfig
+        from olmo.model import OLMo
+    except ImportError as exc:
+        import sys
+
+        lib = os.environ.get(OLMO_LIB_ENV)
+        if not lib or lib in sys.path:
+            raise ImportError(f"arch 'olmo' needs ai2-olmo: not importable here ({exc}) and "
+                              f"{OLMO_LIB_ENV} names no folder that has it") from exc
+        sys.path.append(lib)
+        from olmo.config import ModelConfig
+        from olmo.model import OLMo
+    return OLMo, ModelConfig
+
+
+class OLMoLM(nn.Module):
+    """ai2-olmo's ``OLMo`` at the workload's size, returning logits like ``TinyLM``: untied head (so
+    it is an ``nn.Linear`` every peer can hook), bias-free, no dropout, RoPE, byte vocabulary."""
+
+    def __init__(self, w: Workload):
+        super().__init__()
+        OLMo, ModelConfig = _olmo()
+        cfg = ModelConfig(d_model=w.d_model, n_heads=w.n_heads, n_layers=w.n_layers, mlp_ratio=w.mlp_ratio,
+                          vocab_size=w.vocab, embedding_size=w.vocab, eos_token_id=0, pad_token_id=0,
+                          max_sequence_length=w.seq_len, rope=True, weight_tying=False, include_bias=False,
+                          attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0,
+                          init_device="cpu", init_fn="normal")
+        self.model = OLMo(cfg)
+        self.model.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids).logits
+
+
+def build_model(w: Workload) -> nn.Module:
+    if w.arch not in ARCHS:
+        raise ValueError(f"unknown workload arch {w.arch!r}; known: {', '.join(ARCHS)}")
+    return OLMoLM(w) if w.arch == "olmo" else TinyLM(w)
+
+
 def linear_names(model: nn.Module) -> list[str]:
     """The scored layers, in module order."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -116,11 +172,11 @@ def example_losses(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 # workdir: the orchestrator writes it once; every process reads it
 
 
-def load(workdir: Path) -> tuple[Workload, TinyLM, torch.Tensor, torch.Tensor]:
+def load(workdir: Path) -> tuple[Workload, nn.Module, torch.Tensor, torch.Tensor]:
     """(workload, model at the trained checkpoint in eval mode, train ids [N, T], query ids [Q, T])."""
     w = Workload.load(workdir / "workload.json")
     data = torch.load(workdir / "data.pt", weights_only=True)
-    model = TinyLM(w)
+    model = build_model(w)
     model.load_state_dict(torch.load(workdir / "model.pt", weights_only=True))
     model.eval()
     return w, model, data["train"], data["query"]
@@ -148,7 +204,7 @@ def prepare(workdir: Path, w: Workload) -> None:
     ids = text_passages(w.seq_len, w.n_train + w.n_query + w.warmup_steps * w.batch, w.seed)
     train, query = ids[:w.n_train], ids[w.n_train:w.n_train + w.n_query]
     warm = ids[w.n_train + w.n_query:]
-    model = TinyLM(w)
+    model = build_model(w)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for i in range(w.warmup_steps):
         batch = warm[i * w.batch:(i + 1) * w.batch]
@@ -158,13 +214,15 @@ def prepare(workdir: Path, w: Workload) -> None:
     w.save(workdir / "workload.json")
     torch.save({"train": train, "query": query}, workdir / "data.pt")
     torch.save(model.state_dict(), workdir / "model.pt")
+    mods = dict(model.named_modules())
+    (workdir / "scored.json").write_text(json.dumps({n: list(mods[n].weight.shape) for n in linear_names(model)}))
     model.eval()
     g_train, g_query = exact_gradients(model, train), exact_gradients(model, query)
     np.save(workdir / "exact.npy", (g_query @ g_train.T).numpy())
     np.save(workdir / "exact_influence.npy", exact_influence(model, g_train, g_query).numpy())
 
 
-def exact_gradients(model: TinyLM, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+def exact_gradients(model: nn.Module, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     """[N, D] exact per-example gradients of the scored weights (torch.func, no projection)."""
     names = [f"{n}.weight" for n in linear_names(model)]
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -189,7 +247,7 @@ RELATIVE_DAMPING = 0.1
 where the method is per layer) — the convention each peer offers natively."""
 
 
-def exact_influence(model: TinyLM, g_train: torch.Tensor, g_query: torch.Tensor) -> torch.Tensor:
+def exact_influence(model: nn.Module, g_train: torch.Tensor, g_query: torch.Tensor) -> torch.Tensor:
     """[Q, N] exact damped influence ``Σ_l q_lᵀ (F_l + λ_l I)⁻¹ g_l`` with the per-layer empirical
     Fisher ``F_l = G_lᵀ G_l / N`` of the unprojected train gradients and ``λ_l = 0.1 · tr(F_l)/D_l``.
     The D_l×D_l inverse is applied exactly through Woodbury on the N×N Gram, in float64:
@@ -208,7 +266,7 @@ def exact_influence(model: TinyLM, g_train: torch.Tensor, g_query: torch.Tensor)
     return out.float()
 
 
-def exact_scores(model: TinyLM, train: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+def exact_scores(model: nn.Module, train: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """[Q, N] exact GradDot: ⟨∇L_q, ∇L_i⟩ over every scored weight."""
     return exact_gradients(model, query) @ exact_gradients(model, train).T
 
