@@ -283,7 +283,8 @@ class Influence:
                 if json.loads(meta["layers"]) != list(layers):
                     return False
                 factors = {}
-                keys = {"raw": ["chol"], "joint": ["chol"], "lorif": ["vecs", "evals"], "ekfac": ["u_out", "u_in", "evals"]}
+                keys = {"raw": ["chol"], "joint": ["chol"], "lorif": ["vecs", "evals"],
+                        "ekfac": ["u_out", "u_in", "evals"]}
                 for i, name in enumerate([_JOINT] if self.hessian == "joint" else layers):
                     parts = [f.get_tensor(f"{i}.{key}") for key in keys[self.hessian]]
                     factors[name] = parts[0] if self.hessian in ("raw", "joint") else tuple(parts)
@@ -330,7 +331,8 @@ class Influence:
         fisher, trace, num = joint_fisher(store, layers, block_size=block_size)
         lam = self.damping if self.damping is not None else self.damping_ratio * trace / dim
         if not lam > 0:
-            raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; pass damping=")
+            raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; "
+                             "pass damping=")
         chol = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
         damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
         self._fitted = {"factors": {_JOINT: chol}, "damping": damping, "layers": list(layers)}
