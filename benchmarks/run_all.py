@@ -1,6 +1,6 @@
 """Run the benchmarks and regenerate their generated sections of docs/BENCHMARKS.md.
 
-    python -m benchmarks.run_all                 # peers side by side, both models (~25 min), then the doc
+    python -m benchmarks.run_all                 # peers side by side, both models (~22 min), then the doc
     python -m benchmarks.run_all --quick         # peers --quick (~8 min)
     python -m benchmarks.run_all --arch olmo     # only the ai2-olmo model's table
     python -m benchmarks.run_all --all           # also every other script (its --quick where it has one)
