@@ -115,7 +115,7 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
     kind = "proj_dim=0 (unprojected)" if unprojected else f"proj_dim={w.k}, orthogonal random"
     if eigen:
         kind = (f"proj_dim={cfg.proj_dim}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank={cfg.rank}"
-                + (f", overrides=[{linear_names(model)[-1]}: proj_dim={8 * w.k}, rank=3]" if head_budget else "")
+                + (f", overrides=[{cfg.overrides[0].modules[0]}: proj_dim={8 * w.k}, rank=3]" if head_budget else "")
                 + (f", budget={cfg.budget} (widths {' '.join('x'.join(map(str, p)) for p in shapes)})"
                    if budget else ""))
     return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "store"),

@@ -248,6 +248,10 @@ class Influence:
                           "seed": self.seed, "format": 1}, sort_keys=True)
         return Path(root) / "cache" / f"influence-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
 
+    def _factor_names(self, layers: Sequence[str]) -> list[str]:
+        """The keys of the fitted factors: one per layer, or the one joint factor."""
+        return [_JOINT] if self.hessian == "joint" else list(layers)
+
     def _save(self, path, layers: Sequence[str]) -> None:
         import json
         import os
@@ -255,7 +259,7 @@ class Influence:
         from safetensors.torch import save_file
 
         tensors = {}
-        for i, name in enumerate([_JOINT] if self.hessian == "joint" else layers):
+        for i, name in enumerate(self._factor_names(layers)):
             factor = self._fitted["factors"][name]
             if self.hessian in ("raw", "joint"):
                 tensors[f"{i}.chol"] = factor.contiguous()
@@ -285,7 +289,7 @@ class Influence:
                 factors = {}
                 keys = {"raw": ["chol"], "joint": ["chol"], "lorif": ["vecs", "evals"],
                         "ekfac": ["u_out", "u_in", "evals"]}
-                for i, name in enumerate([_JOINT] if self.hessian == "joint" else layers):
+                for i, name in enumerate(self._factor_names(layers)):
                     parts = [f.get_tensor(f"{i}.{key}") for key in keys[self.hessian]]
                     factors[name] = parts[0] if self.hessian in ("raw", "joint") else tuple(parts)
                 info = json.loads(meta["info"])
@@ -341,8 +345,12 @@ class Influence:
     def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._fitted is None:
             raise RuntimeError("influence: fit(store, layers) must run before prepare (attribute() does it)")
-        if self.hessian == "joint":
-            return lowrank_queries(self._prepare_joint(queries), self.query_rank)
+        out = (self._precondition_joint if self.hessian == "joint" else self._precondition_layers)(queries)
+        if self.query_rank:
+            self.info = {**self.info, "query_rank": self.query_rank}
+        return lowrank_queries(out, self.query_rank)
+
+    def _precondition_layers(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, q in queries.items():
             flat = _flat(q)
@@ -354,11 +362,9 @@ class Influence:
             else:
                 pre = woodbury_apply(flat, *factor, damping)
             out[name] = pre.reshape(q.shape)
-        if self.query_rank:
-            self.info = {**self.info, "query_rank": self.query_rank}
-        return lowrank_queries(out, self.query_rank)
+        return out
 
-    def _prepare_joint(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _precondition_joint(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         layers = self._fitted["layers"]
         if set(queries) != set(layers):
             raise ValueError(f"influence: hessian='joint' was fitted on layers {layers}; the queries have "
@@ -369,8 +375,6 @@ class Influence:
         for name, f in zip(layers, flats):
             out[name] = pre[:, lo:lo + f.shape[1]].reshape(queries[name].shape)
             lo += f.shape[1]
-        if self.query_rank:
-            self.info = {**self.info, "query_rank": self.query_rank}
         return out
 
     def score_block(self, state: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> torch.Tensor:
