@@ -90,8 +90,9 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
                if v is not None}
     if options and args.method != "influence":
         raise ValueError(f"--hessian/--damping/--rank apply to --method influence, not {args.method}")
-    if args.rank is not None and args.hessian != "lorif":
-        raise ValueError(f"--rank is the rank of --hessian lorif, not of {args.hessian or 'ekfac (the default)'}")
+    if args.rank is not None and args.hessian not in ("lorif", "joint"):
+        raise ValueError(f"--rank is the rank of --hessian lorif or joint, not of "
+                         f"{args.hessian or 'ekfac (the default)'}")
     for flag, key, value, default in (("--route", "route", args.route, "auto"),
                                       ("--query-rank", "query_rank", args.query_rank, 0)):
         if value != default:
@@ -182,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("--ids", help="TracIn-CP: only these training instances (\"3,5,9\" or @file); default all")
     attr.add_argument("--hessian", choices=["raw", "lorif", "ekfac", "joint"],
                       help="influence: EK-FAC (default), explicit D×D Fisher per layer, rank-r Woodbury, or one "
-                           "explicit Fisher over all layers together (joint; small stores)")
+                           "Fisher over all layers together (joint: explicit for small stores, rank-r with --rank)")
     attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
-    attr.add_argument("--rank", type=int, help="influence lorif: rank r of the Fisher (default 64)")
+    attr.add_argument("--rank", type=int, help="influence lorif: rank r of each layer's Fisher (default 64); "
+                                                  "joint: rank r of the whole-model Fisher (default: explicit)")
     attr.add_argument("--route", choices=["auto", "model", "factorized", "materialized"], default="auto",
                       help="inner products with LoRIF factor stores: by cost, timed at near-ties (auto), by "
                            "the cost model alone (model), or forced")

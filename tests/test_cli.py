@@ -76,6 +76,10 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     lam = text.split("per layer ")[1].split(" over")[0].split("..")
     assert lam[0] == lam[1]                                              # one λ for the whole model
     assert json.loads((tmp_path / "joint.json").read_text())[0]["results"][0]["index"] == passage["index"]
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "joint",
+                 "--rank", "32", "--json", str(tmp_path / "joint32.json")]) == 0
+    assert capsys.readouterr().out.startswith("influence: hessian joint, rank 32, damping λ per layer ")
+    assert json.loads((tmp_path / "joint32.json").read_text())[0]["results"][0]["index"] == passage["index"]
     # rank-2 queries (the CLI's --query-rank): the API's scores with query_rank=2, not the exact ones
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "graddot", "--top-k", "5",
                  "--query-rank", "2", "--json", str(tmp_path / "q2.json")]) == 0
@@ -90,7 +94,7 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     assert main(["attribute", str(out), "--query", "x y", "--method", "tracin", "--query-rank", "2"]) == 2
     assert "--query-rank applies to graddot, gradcos and influence" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "influence", "--rank", "16"]) == 2
-    assert "--rank is the rank of --hessian lorif, not of ekfac (the default)" in capsys.readouterr().err
+    assert "--rank is the rank of --hessian lorif or joint, not of ekfac (the default)" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "gradcos", "--damping", "1"]) == 2
     assert "apply to --method influence" in capsys.readouterr().err
     ids_file = tmp_path / "ids.txt"

@@ -238,6 +238,60 @@ def test_joint_influence_equals_the_explicit_whole_model_inverse_on_a_tiny_olmo(
         attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", damping=1.0)
 
 
+def test_lowrank_joint_influence_is_woodbury_on_the_top_eigenpairs_of_the_whole_model_fisher(olmo_grads, monkeypatch):
+    """hessian="joint", rank=r: the explicit joint result when r covers rank(F) (48 rows, so rank 48 of
+    D = 1088), and below it the Woodbury inverse built here from the top-r eigenpairs of the explicit
+    whole-model Fisher (cross-layer blocks included); no width limit, and a cache of its own."""
+    layers = olmo_grads["layers"]
+    g = torch.cat([olmo_grads["train"][n].reshape(48, -1) for n in layers], 1).double()
+    q = torch.cat([olmo_grads["query"][n].reshape(4, -1) for n in layers], 1).double()
+    fisher = g.T @ g / len(g)
+    lam = 0.1 * torch.trace(fisher).item() / len(fisher)
+    evals, evecs = torch.linalg.eigh(fisher)
+
+    def truncated(r):                     # (V_r S_r V_rᵀ + λI)⁻¹, V_r the top-r eigenvectors
+        v, s = evecs[:, -r:], evals[-r:]
+        return (torch.eye(len(fisher), dtype=torch.float64) - v @ torch.diag(s / (s + lam)) @ v.T) / lam
+
+    inv, _ = _explicit(g)
+    for f in (olmo_grads["store"].path / "cache").glob("*"):
+        f.unlink()
+    explicit = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", top_k=1,
+                         return_scores=True)
+    scores = {}
+    # F's top eigenvalues are close together here (1702, 1600, 1532 ... 1008 at #16), so subspace
+    # iteration converges slowly below rank(F): at r=16, 3 iterations are 40% off the truncation, 20
+    # are 0.2% off, 40 are 1e-5 off
+    for rank, options in ((56, {}), (56, {"block_size": 10}), (16, {"iterations": 40}), (4, {"iterations": 40})):
+        for f in (olmo_grads["store"].path / "cache").glob("*"):      # block_size is not in the cache key
+            f.unlink()
+        res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", rank=rank,
+                        top_k=1, return_scores=True, projector_hash=None, **options)
+        scores[rank] = res.all_scores[:, np.argsort(res.all_ids)]
+        assert res.info["rank"] == rank and "cached" not in res.info
+        assert all(v == pytest.approx(lam) for v in res.info["damping"].values())
+        assert rel_err(scores[rank], q @ truncated(min(rank, 48)) @ g.T) < (1e-6 if rank > 48 else 1e-3), rank
+    assert rel_err(scores[56], q @ inv @ g.T) < 1e-6
+    assert rel_err(scores[56], explicit.all_scores[:, np.argsort(explicit.all_ids)]) < 1e-6
+    assert rel_err(scores[4], scores[56]) > rel_err(scores[16], scores[56]) > 1     # truncation shows
+    for _ in range(2):                    # the second reads the cache the first wrote
+        again = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", rank=56,
+                          top_k=1, return_scores=True)
+    assert again.info["cached"] and again.info["rank"] == 56
+    assert rel_err(again.all_scores[:, np.argsort(again.all_ids)], scores[56]) < 1e-9
+    explicit = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", top_k=1)
+    assert "cached" not in explicit.info and "rank" not in explicit.info      # not the rank-56 entry
+    import olmo_tda.methods.influence as influence_module
+
+    monkeypatch.setattr(influence_module, "JOINT_MAX_DIM", g.shape[1] - 1)
+    with pytest.raises(ValueError, match=r"Pass rank=r \(--rank\)"):
+        attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", damping=1.0)
+    res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", rank=56,
+                    damping=1.0, top_k=1, return_scores=True)
+    inv1, _ = _explicit(g, damping=1.0)
+    assert rel_err(res.all_scores[:, np.argsort(res.all_ids)], q @ inv1 @ g.T) < 1e-6
+
+
 def test_influence_damping_sweep(olmo_grads):
     """Damping moves influence from a sharp inverse (small λ) to its λ → ∞ limit, a gradient dot with
     each layer weighted by 1/λ_l ∝ D_l/tr(F_l) (per-layer damping); at every λ the implementation
@@ -266,10 +320,12 @@ def test_influence_bad_options_are_refused(tmp_path):
         get_method("influence", hessian="kfac")
     with pytest.raises(ValueError, match="damping must be > 0"):
         get_method("influence", damping=0.0)
-    with pytest.raises(ValueError, match="rank is the rank of hessian='lorif', not of hessian='ekfac'"):
+    with pytest.raises(ValueError, match="rank is the rank of hessian='lorif' or 'joint', not of hessian='ekfac'"):
         get_method("influence", rank=16)
     with pytest.raises(ValueError, match="not of hessian='raw'"):
         get_method("influence", hessian="raw", rank=64)
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        get_method("influence", hessian="joint", rank=0)
     store = _store(tmp_path, {"fc": torch.zeros(4, 2, 2)})
     for hessian in ("ekfac", "raw", "lorif", "joint"):
         with pytest.raises(ValueError, match="zero gradients|gradients are all zero"):
@@ -277,10 +333,11 @@ def test_influence_bad_options_are_refused(tmp_path):
     assert get_method("influence").hessian == "ekfac"
 
 
-@pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac", "joint"])
+@pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac", "joint", "joint-rank"])
 def test_fitted_fisher_is_cached_beside_the_store_and_a_damaged_cache_is_recomputed(olmo_grads, hessian, caplog):
     store = olmo_grads["store"]
-    rank = {"rank": 16} if hessian == "lorif" else {}
+    rank = {"rank": 16} if hessian in ("lorif", "joint-rank") else {}
+    hessian = hessian.split("-")[0]
     for f in (store.path / "cache").glob("*"):
         f.unlink()
     first = attribute(store, olmo_grads["queries"], method="influence", hessian=hessian, **rank, return_scores=True)

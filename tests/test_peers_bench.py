@@ -267,6 +267,11 @@ def test_influence_levers_rows_and_its_fisher_helper_against_the_exact_influence
                            "fisher_layer_jl2x", "fisher_global_jl", "fisher_global_kron", "precond_then_kron",
                            "exact_precond_then_kron", "precond_then_eigen", "ekfac_kron", "ekfac_eigen",
                            "split_count", "split_deff", "split_size", "split_even", "fisher_eigen_joint",
-                           "split_count_joint"}
+                           "split_count_joint", "split_count_joint_r32", "split_count_joint_r128",
+                           "split_count_joint_r256"}
     assert all(-1 <= r["spearman"] <= 1 for r in result.values())
+    # the library's rank-r joint Fisher at r >= D (112 here) is the explicit joint one the script builds
+    for rank in (128, 256):
+        assert result[f"split_count_joint_r{rank}"]["spearman"] == pytest.approx(result["split_count_joint"]["spearman"],
+                                                                               abs=1e-3)
     assert result["fisher_kron"]["floats"] == 7 * 16 and result["ekfac_full"]["floats"] == "all"

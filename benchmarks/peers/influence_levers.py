@@ -30,6 +30,10 @@ per-example gradients (``torch.func``) and its exact influence (``workload.exact
 - ``fisher_global_kron``: our Kronecker coordinates with one Fisher across layers;
 - ``fisher_eigen_joint`` / ``split_count_joint``: ``fisher_eigen``'s and ``split_count``'s rows with
   one Fisher across layers — ``hessian="joint"`` on those stores;
+- ``split_count_joint_r32`` / ``_r128`` / ``_r256``: ``split_count``'s rows through the library's
+  ``hessian="joint", rank=r`` (top-r eigenpairs of the whole-model Fisher by streaming subspace
+  iteration at its default 3 iterations, then Woodbury): what a store too wide for the explicit
+  joint Fisher gets;
 - ``precond_then_kron`` / ``exact_precond_then_kron`` / ``precond_then_eigen``: curvature
   applied in the full space to the query first (EK-FAC, or the exact damped inverse), then the
   projected inner product with the stored gradient.
@@ -49,13 +53,14 @@ import math
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from olmo_tda.capture.eigenbasis import BUDGET_DAMPING, allocate_budget, best_rectangle, split_budget
 from olmo_tda.capture.projection import make_projector
-from olmo_tda.methods.influence import ekfac_apply
+from olmo_tda.methods.influence import Influence, ekfac_apply
 
 from .workload import (ARCHS, RELATIVE_DAMPING, Workload, exact_gradients, example_losses, linear_names, load,
                        prepare, spearman_rows)
@@ -117,6 +122,31 @@ def projected_ekfac_scores(train: torch.Tensor, query: torch.Tensor) -> torch.Te
     lam = RELATIVE_DAMPING * float(evals.sum()) / (k_out * k_in)
     pre = ekfac_apply(query, u_out, u_in, evals, lam)
     return pre.reshape(len(query), -1) @ train.reshape(n, -1).T
+
+
+class _RowStore:
+    """Stored rows held in memory, shaped like a store for :class:`~olmo_tda.methods.influence.Influence`
+    (``layer_shapes`` and ``iter_blocks``): layer ``i`` is ``[N, 1, D_i]``."""
+
+    def __init__(self, rows: list[torch.Tensor], block: int = 256):
+        self.grads = {f"L{i}": r.unsqueeze(1) for i, r in enumerate(rows)}
+        self.layer_shapes = {n: tuple(g.shape[1:]) for n, g in self.grads.items()}
+        self.block = block
+
+    def iter_blocks(self, layers, block_size=None):
+        num = len(next(iter(self.grads.values())))
+        for lo in range(0, num, block_size or self.block):
+            yield SimpleNamespace(ids=range(lo, min(num, lo + (block_size or self.block))),
+                                  grads={n: g[lo:lo + (block_size or self.block)] for n, g in self.grads.items()})
+
+
+def library_joint_scores(train: list[torch.Tensor], query: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """``[Q, N]`` influence from the library's ``hessian="joint", rank=rank`` on per-layer rows."""
+    store = _RowStore(train)
+    method = Influence(hessian="joint", rank=rank, damping_ratio=RELATIVE_DAMPING)
+    method.fit(store, list(store.grads))
+    pre = method.prepare({f"L{i}": q.unsqueeze(1) for i, q in enumerate(query)})
+    return sum(pre[n].reshape(len(query[0]), -1) @ g.reshape(len(g), -1).T for n, g in store.grads.items())
 
 
 def run(workdir: Path, seeds: int) -> dict:
@@ -218,6 +248,8 @@ def run(workdir: Path, seeds: int) -> dict:
     # hessian="joint": the same stored rows, one damped Fisher across all layers (cross-layer blocks kept)
     add("fisher_eigen_joint", 0, projected_fisher_scores(torch.cat(eigen_coords[0], 1), torch.cat(eigen_coords[1], 1)))
     add("split_count_joint", 0, projected_fisher_scores(torch.cat(count_coords[0], 1), torch.cat(count_coords[1], 1)))
+    for rank in (32, 128, 256):
+        add(f"split_count_joint_r{rank}", 0, library_joint_scores(*count_coords, rank))
     for rep in range(seeds):
         add("fisher_global_kron", rep, projected_fisher_scores(torch.cat(coords[rep][0], 1), torch.cat(coords[rep][1], 1)))
         r = global_jl[rep]

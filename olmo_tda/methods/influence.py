@@ -22,9 +22,12 @@ over the store's N rows, D_l = k_out·k_in the flattened width of layer l.
 - ``hessian="joint"``: one explicit Fisher over every layer's stored coordinates together,
   ``F = (1/N) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i`` the concatenation of the example's layers (D = Σ_l D_l;
   TRAK's estimator, cross-layer blocks included), one λ = ``damping_ratio · tr(F)/D``, applied by
-  a Cholesky solve. Memory O(D²) for the whole model, so it is for small stores (refused above
-  D = 16384: 2 GiB); there it agrees with exact per-layer damped-Fisher influence better than the
-  per-layer ``raw`` on eigenbasis stores (``benchmarks/peers/influence_levers.py``).
+  a Cholesky solve. Memory O(D²) for the whole model, so explicit joint is for small stores
+  (refused above D = 16384: 2 GiB); there it agrees with exact damped-Fisher influence better than
+  the per-layer ``raw`` on eigenbasis stores (``benchmarks/peers/influence_levers.py``).
+  ``hessian="joint", rank=r`` keeps the cross-layer blocks at any width: the top-r eigenpairs of
+  the same whole-model F by ``lorif``'s streaming subspace iteration (memory O(D·r)), then
+  Woodbury with the one λ. Exact when r ≥ rank(F); below, the tail of F's spectrum counts as 0.
 
 Damping ``λ_l`` defaults to ``damping_ratio · tr(F_l)/D_l`` (0.1: the usual LoGRA choice); a number
 passed as ``damping`` is used for every layer. It dominates quality, so the values used are in
@@ -34,6 +37,7 @@ Example::
 
     result = attribute(store, queries, method="influence")                          # EK-FAC
     result = attribute(store, queries, method="influence", hessian="lorif", rank=64)
+    result = attribute(store, queries, method="influence", hessian="joint", rank=1024)  # any width
     result.info["damping"]        # {layer: λ_l}
 """
 
@@ -51,6 +55,9 @@ __all__ = ["Influence", "ekfac_fisher", "ekfac_apply", "fisher_stats", "joint_fi
            "woodbury_apply"]
 
 log = logging.getLogger(__name__)
+
+_JOINT = "__joint__"
+"""The key of the one whole-model factor of ``hessian="joint"``."""
 
 
 def _flat(g: Any) -> torch.Tensor:
@@ -79,28 +86,35 @@ def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = 
 
 
 def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: int = 8, iterations: int = 3,
-                   block_size: int | None = None, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                   block_size: int | None = None, seed: int = 0, joint: bool = False
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{layer: (V [D, r], eigenvalues [r])}`` of F by streaming subspace iteration (memory O(D·r)).
 
     ``iterations`` passes over the store after the random start, each orthonormalized; a final
-    Rayleigh-Ritz step on the (r+oversample)-dim subspace gives the eigenpairs.
+    Rayleigh-Ritz step on the (r+oversample)-dim subspace gives the eigenpairs. With ``joint``, the
+    one whole-model F over the layers' rows concatenated in ``layers`` order, under the key
+    ``"__joint__"``.
     """
     shapes = store.layer_shapes
+    dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
+    if joint:
+        dims = {_JOINT: sum(dims.values())}
     gen = torch.Generator().manual_seed(seed)
-    basis = {}
-    for name in layers:
-        dim = shapes[name][0] * shapes[name][1]
-        width = min(dim, rank + oversample)
-        basis[name] = torch.linalg.qr(torch.randn(dim, width, generator=gen, dtype=torch.float64))[0]
+    basis = {key: torch.linalg.qr(torch.randn(dim, min(dim, rank + oversample), generator=gen,
+                                              dtype=torch.float64))[0] for key, dim in dims.items()}
+
+    def rows(block: Any) -> dict[str, torch.Tensor]:
+        if joint:
+            return {_JOINT: torch.cat([_flat(block.grads[name]) for name in layers], dim=1)}
+        return {name: _flat(block.grads[name]) for name in layers}
 
     def apply_fisher() -> tuple[dict[str, torch.Tensor], int]:
         out = {n: torch.zeros_like(v) for n, v in basis.items()}
         num = 0
         for block in store.iter_blocks(layers=list(layers), block_size=block_size):
             num += len(block.ids)
-            for name in layers:
-                g = _flat(block.grads[name])
-                out[name] += g.T @ (g @ basis[name])
+            for key, g in rows(block).items():
+                out[key] += g.T @ (g @ basis[key])
         return {n: v / max(num, 1) for n, v in out.items()}, num
 
     for _ in range(iterations):
@@ -108,7 +122,7 @@ def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: 
         basis = {n: torch.linalg.qr(p)[0] for n, p in product.items()}
     product, _ = apply_fisher()
     out = {}
-    for name in layers:
+    for name in basis:
         small = basis[name].T @ product[name]                       # Vᵀ F V, symmetric (r+p)×(r+p)
         evals, evecs = torch.linalg.eigh((small + small.T) / 2)
         order = torch.argsort(evals, descending=True)[: min(rank, len(evals))]
@@ -165,8 +179,8 @@ def ekfac_apply(q: torch.Tensor, u_out: torch.Tensor, u_in: torch.Tensor, evals:
 
 HESSIANS = ("raw", "lorif", "ekfac", "joint")
 JOINT_MAX_DIM = 16384
-"""The widest store ``hessian="joint"`` accepts: its D×D float64 Fisher is 2 GiB there."""
-_JOINT = "__joint__"
+"""The widest store explicit ``hessian="joint"`` accepts: its D×D float64 Fisher is 2 GiB there
+(``rank=r`` lifts the limit)."""
 
 
 def joint_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = None
@@ -193,7 +207,8 @@ class Influence:
     """Damped Fisher-inverse influence; see the module docstring. ``fit(store, layers)`` runs first.
     The default is ``ekfac`` (two Kronecker eigenbases and a k_out×k_in eigenvalue matrix a layer:
     the best linear datamodeling score at every damping in ``benchmarks/lds.py``); ``lorif`` holds
-    O(D·r), ``raw`` a D×D matrix per layer (k=64: 128 MiB each)."""
+    O(D·r), ``raw`` a D×D matrix per layer (k=64: 128 MiB each), ``joint`` one D×D matrix over all
+    layers, or with ``rank`` O(D·r) over all layers."""
 
     name = "influence"
 
@@ -206,11 +221,13 @@ class Influence:
             raise ValueError(f"influence: damping must be > 0, got {damping!r}")
         if not damping_ratio > 0:
             raise ValueError(f"influence: damping_ratio must be > 0, got {damping_ratio!r}")
-        if rank is not None and hessian != "lorif":
-            raise ValueError(f"influence: rank is the rank of hessian='lorif', not of hessian={hessian!r}")
-        rank = 64 if rank is None else rank
-        if rank < 1:
+        if rank is not None and hessian not in ("lorif", "joint"):
+            raise ValueError(f"influence: rank is the rank of hessian='lorif' or 'joint', not of hessian={hessian!r}")
+        if rank is not None and rank < 1:
             raise ValueError(f"influence: rank must be >= 1, got {rank}")
+        self.joint_rank = rank if hessian == "joint" else None
+        """``hessian="joint"``: None = the explicit Fisher; r = its top-r eigenpairs (Woodbury)."""
+        rank = 64 if rank is None else rank
         if route not in ROUTES:
             raise ValueError(f"influence: route must be one of {ROUTES}, got {route!r}")
         if query_rank < 0:
@@ -245,8 +262,13 @@ class Influence:
         key = json.dumps({"shards": sorted((s.rank, s.seq, s.num_rows, s.bytes) for s in shards), "layers": list(layers),
                           "hessian": self.hessian, "damping": self.damping, "ratio": self.damping_ratio,
                           "rank": self.rank, "oversample": self.oversample, "iterations": self.iterations,
-                          "seed": self.seed, "format": 1}, sort_keys=True)
+                          "seed": self.seed, "joint_rank": self.joint_rank, "format": 2}, sort_keys=True)
         return Path(root) / "cache" / f"influence-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+    @property
+    def _explicit(self) -> bool:
+        """The fitted factor is a Cholesky factor of an explicit damped Fisher (else eigenpairs)."""
+        return self.hessian == "raw" or (self.hessian == "joint" and self.joint_rank is None)
 
     def _factor_names(self, layers: Sequence[str]) -> list[str]:
         """The keys of the fitted factors: one per layer, or the one joint factor."""
@@ -261,7 +283,7 @@ class Influence:
         tensors = {}
         for i, name in enumerate(self._factor_names(layers)):
             factor = self._fitted["factors"][name]
-            if self.hessian in ("raw", "joint"):
+            if self._explicit:
                 tensors[f"{i}.chol"] = factor.contiguous()
             elif self.hessian == "ekfac":
                 tensors[f"{i}.u_out"], tensors[f"{i}.u_in"], tensors[f"{i}.evals"] = (t.contiguous() for t in factor)
@@ -287,11 +309,11 @@ class Influence:
                 if json.loads(meta["layers"]) != list(layers):
                     return False
                 factors = {}
-                keys = {"raw": ["chol"], "joint": ["chol"], "lorif": ["vecs", "evals"],
-                        "ekfac": ["u_out", "u_in", "evals"]}
+                keys = ["chol"] if self._explicit else ["u_out", "u_in", "evals"] if self.hessian == "ekfac" \
+                    else ["vecs", "evals"]
                 for i, name in enumerate(self._factor_names(layers)):
-                    parts = [f.get_tensor(f"{i}.{key}") for key in keys[self.hessian]]
-                    factors[name] = parts[0] if self.hessian in ("raw", "joint") else tuple(parts)
+                    parts = [f.get_tensor(f"{i}.{key}") for key in keys]
+                    factors[name] = parts[0] if self._explicit else tuple(parts)
                 info = json.loads(meta["info"])
         except Exception as e:   # noqa: BLE001 - a damaged cache is recomputed, never trusted
             log.warning("influence: ignoring unreadable cache %s (%s)", path, e)
@@ -328,19 +350,30 @@ class Influence:
     def _fit_joint(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
         shapes = store.layer_shapes
         dim = sum(shapes[n][0] * shapes[n][1] for n in layers)
-        if dim > JOINT_MAX_DIM:
+        if self.joint_rank is None and dim > JOINT_MAX_DIM:
             raise ValueError(f"influence: hessian='joint' needs a {dim}×{dim} Fisher over all {len(layers)} layers "
-                             f"({dim * dim * 8 / 2 ** 30:.1f} GiB in float64); it takes at most {JOINT_MAX_DIM} "
-                             "stored floats per example. Use hessian='ekfac' or 'lorif' (per layer) for this store")
-        fisher, trace, num = joint_fisher(store, layers, block_size=block_size)
+                             f"({dim * dim * 8 / 2 ** 30:.1f} GiB in float64); explicit, it takes at most "
+                             f"{JOINT_MAX_DIM} stored floats per example. Pass rank=r (--rank) for its top-r "
+                             "eigenpairs (memory O(D·r)), or use hessian='ekfac' or 'lorif' (per layer)")
+        if self.joint_rank is None:
+            fisher, trace, num = joint_fisher(store, layers, block_size=block_size)
+        else:
+            _, traces, num = fisher_stats(store, layers, block_size=block_size, explicit=False)
+            trace = sum(traces.values())
         lam = self.damping if self.damping is not None else self.damping_ratio * trace / dim
         if not lam > 0:
             raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; "
                              "pass damping=")
-        chol = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
+        if self.joint_rank is None:
+            factor = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
+        else:
+            factor = lowrank_fisher(store, layers, self.joint_rank, oversample=self.oversample,
+                                    iterations=self.iterations, block_size=block_size, seed=self.seed,
+                                    joint=True)[_JOINT]
         damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
-        self._fitted = {"factors": {_JOINT: chol}, "damping": damping, "layers": list(layers)}
-        self.info = {"hessian": "joint", "damping": damping, "num_rows": num}
+        self._fitted = {"factors": {_JOINT: factor}, "damping": damping, "layers": list(layers)}
+        self.info = {"hessian": "joint", "damping": damping, "num_rows": num,
+                     **({"rank": self.joint_rank} if self.joint_rank is not None else {})}
 
     def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._fitted is None:
@@ -370,7 +403,11 @@ class Influence:
             raise ValueError(f"influence: hessian='joint' was fitted on layers {layers}; the queries have "
                              f"{sorted(queries)}")
         flats = [_flat(queries[name]) for name in layers]
-        pre = torch.cholesky_solve(torch.cat(flats, dim=1).T, self._fitted["factors"][_JOINT]).T
+        flat, factor = torch.cat(flats, dim=1), self._fitted["factors"][_JOINT]
+        if self.joint_rank is None:
+            pre = torch.cholesky_solve(flat.T, factor).T
+        else:
+            pre = woodbury_apply(flat, *factor, self._fitted["damping"][layers[0]])
         out, lo = {}, 0
         for name, f in zip(layers, flats):
             out[name] = pre[:, lo:lo + f.shape[1]].reshape(queries[name].shape)
