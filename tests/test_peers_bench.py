@@ -275,3 +275,20 @@ def test_influence_levers_rows_and_its_fisher_helper_against_the_exact_influence
         assert result[f"split_count_joint_r{rank}"]["spearman"] == pytest.approx(result["split_count_joint"]["spearman"],
                                                                                abs=1e-3)
     assert result["fisher_kron"]["floats"] == 7 * 16 and result["ekfac_full"]["floats"] == "all"
+
+
+def test_capture_floor_times_the_four_passes_and_the_projection_gemms(tmp_path):
+    """benchmarks/peers/capture_floor.py runs on a tiny workload: every pass is timed, and the GEMM
+    table has one row per scored layer with its shape and projected widths."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.peers import capture_floor as CF
+
+    tiny = W.Workload(d_model=16, n_heads=2, n_layers=1, seq_len=12, n_train=16, n_query=2, batch=4, k=4,
+                      warmup_steps=2)
+    W.prepare(tmp_path, tiny)
+    out = CF.run(tmp_path, repeats=1)
+    assert set(out["examples_per_s"]) == set(CF.PASSES) and all(v > 0 for v in out["examples_per_s"].values())
+    _, model, _, _ = W.load(tmp_path)
+    assert [r["layer"] for r in out["gemm_us"]] == W.linear_names(model)
+    assert all(r["k"] == [4, 4] and min(r["matmul"], r["proj_in"], r["proj_out_T"]) > 0 for r in out["gemm_us"])
+    json.dumps(out)                                      # the script's last line
