@@ -1,4 +1,4 @@
-"""Linear datamodeling score (LDS) of graddot, TracIn-CP and influence (raw, lorif, ekfac) on a tiny OLMo, on CPU.
+"""Linear datamodeling score (LDS) of graddot, TracIn-CP and influence (raw, lorif, ekfac, joint) on a tiny OLMo, on CPU.
 
 Protocol (Park et al., TRAK, 2023), everything seeded:
 
@@ -19,7 +19,8 @@ Protocol (Park et al., TRAK, 2023), everything seeded:
   gradients of the summed token CE through the library's ``GradientCapture`` (orthogonal projection
   to ``proj_dim`` per side, and unprojected: ``exact``), written to a ``GradientStore`` and scored
   with ``attribute`` (graddot; influence with ``hessian`` raw, lorif and ekfac, default damping
-  ratio 0.1, lorif rank ``rank``). TracIn-CP is ``olmo_tda.methods.tracin.tracin_cp`` over ``checkpoints``
+  ratio 0.1, lorif rank ``rank``; and ``joint``, one explicit Fisher over all layers, on the
+  projected and eigenbasis stores, where D fits its limit). TracIn-CP is ``olmo_tda.methods.tracin.tracin_cp`` over ``checkpoints``
   evenly spaced weights of that run's trajectory (the last is the final model), each weighted by the lr.
   Raw influence is only run projected: unprojected it needs a D×D Cholesky per layer (head:
   D = 257·(d_model+1)), and with N rows lorif at rank ≥ N equals it anyway. EK-FAC runs both ways:
@@ -32,7 +33,7 @@ Protocol (Park et al., TRAK, 2023), everything seeded:
 - Budget rows (``--budget-k K``; 0 turns them off): two dense eigenbasis stores (``--budget-dtype``,
   fp32 by default) of the same K·K floats a layer on average: ``even`` (k=K per side on every layer) and ``budget``
   (``capture.budget`` = K²·layers, split across layers by their spectra, sides capped at
-  ``proj_dim``), each scored by graddot and influence raw and ekfac.
+  ``proj_dim``), each scored by graddot and influence raw, ekfac and joint.
 - LDS: a positive score means training on i lowers q's loss, so the prediction for S_j is
   Σ_{i∈S_j} score(q, i) and LDS = mean over queries of Spearman(prediction_j, −loss_j) across subsets.
   ± is the standard error over queries. Time per row: its gradients (capture + store write, shared
@@ -67,6 +68,7 @@ from olmo_tda.capture import estimate_eigenbasis
 from olmo_tda.capture.hooks import select_linears
 from olmo_tda.config import ProjectionType, StoreDType
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
+from olmo_tda.methods.influence import JOINT_MAX_DIM
 from olmo_tda.methods.tracin import tracin_cp
 
 QUICK = {"num_train": 128, "num_queries": 16, "retrains": 32}
@@ -235,6 +237,9 @@ def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: 
     if not compact:
         options.append(("influence ekfac", {"method": "influence", "hessian": "ekfac",
                                             "damping_ratio": args.damping_ratio}))
+    if proj_dim and not compact and sum(k_out * k_in for k_out, k_in in cap.layer_shapes.values()) <= JOINT_MAX_DIM:
+        options.append(("influence joint", {"method": "influence", "hessian": "joint",
+                                            "damping_ratio": args.damping_ratio}))
     for label, kw in options:
         t0 = time.perf_counter()
         res = attribute(store, query_grads, top_k=1, return_scores=True, projector_hash=cap.projector_hash, **kw)
@@ -331,7 +336,7 @@ def main(argv=None):
           f"(Spearman-Brown {ceiling:.3f})")
     print(f"{'method':<40} {'LDS':>7} {'± se':>6} {'time s':>7}")
     lds = {}
-    order = ["graddot", "tracin", "influence raw", "influence lorif", "influence ekfac"]
+    order = ["graddot", "tracin", "influence raw", "influence lorif", "influence ekfac", "influence joint"]
 
     def split(label):            # (method, capture config: "k=32", "exact" or an eigen store's)
         method = next(m for m in order if label.startswith(m + " "))

@@ -82,7 +82,8 @@ def test_lds_runs():
                 "lds_influence_ekfac", "lds_graddot_exact", "lds_tracin_exact", "lds_influence_lorif_exact",
                 "lds_influence_ekfac_exact", "lds_graddot_compact", "lds_influence_ekfac_compact",
                 "lds_graddot_eigen", "lds_influence_raw_eigen", "lds_influence_ekfac_eigen",
-                "lds_graddot_budget", "lds_influence_raw_budget", "lds_influence_ekfac_budget"):
+                "lds_graddot_budget", "lds_influence_raw_budget", "lds_influence_ekfac_budget",
+                "lds_influence_joint", "lds_influence_joint_eigen", "lds_influence_joint_budget"):
         assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
 
 

@@ -24,7 +24,8 @@ over the store's N rows, D_l = k_out·k_in the flattened width of layer l.
   TRAK's estimator, cross-layer blocks included), one λ = ``damping_ratio · tr(F)/D``, applied by
   a Cholesky solve. Memory O(D²) for the whole model, so explicit joint is for small stores
   (refused above D = 16384: 2 GiB); there it agrees with exact damped-Fisher influence better than
-  the per-layer ``raw`` on eigenbasis stores (``benchmarks/peers/influence_levers.py``).
+  the per-layer ``raw`` on eigenbasis stores (``benchmarks/peers/influence_levers.py``), but it
+  predicts retraining worse than ``raw`` and far worse than ``ekfac`` (``benchmarks/lds.py``).
   ``hessian="joint", rank=r`` keeps the cross-layer blocks at any width: the top-r eigenpairs of
   the same whole-model F by ``lorif``'s streaming subspace iteration (memory O(D·r)), then
   Woodbury with the one λ. Exact when r ≥ rank(F); below, the tail of F's spectrum counts as 0.
