@@ -1,4 +1,5 @@
-"""Linear datamodeling score (LDS) of graddot, TracIn-CP and influence (raw, lorif, ekfac, joint) on a tiny OLMo, on CPU.
+"""Linear datamodeling score (LDS) of graddot, TracIn-CP and influence (raw, lorif, ekfac, joint) on a tiny OLMo,
+on CPU.
 
 Protocol (Park et al., TRAK, 2023), everything seeded:
 
@@ -20,8 +21,9 @@ Protocol (Park et al., TRAK, 2023), everything seeded:
   to ``proj_dim`` per side, and unprojected: ``exact``), written to a ``GradientStore`` and scored
   with ``attribute`` (graddot; influence with ``hessian`` raw, lorif and ekfac, default damping
   ratio 0.1, lorif rank ``rank``; and ``joint``, one explicit Fisher over all layers, on the
-  projected and eigenbasis stores, where D fits its limit). TracIn-CP is ``olmo_tda.methods.tracin.tracin_cp`` over ``checkpoints``
-  evenly spaced weights of that run's trajectory (the last is the final model), each weighted by the lr.
+  projected and eigenbasis stores, where D fits its limit). TracIn-CP is
+  ``olmo_tda.methods.tracin.tracin_cp`` over ``checkpoints`` evenly spaced weights of that run's
+  trajectory (the last is the final model), each weighted by the lr.
   Raw influence is only run projected: unprojected it needs a D×D Cholesky per layer (head:
   D = 257·(d_model+1)), and with N rows lorif at rank ≥ N equals it anyway. EK-FAC runs both ways:
   its factors are k_out² + k_in² + k_out·k_in floats a layer, unprojected too.
@@ -237,7 +239,8 @@ def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: 
     if not compact:
         options.append(("influence ekfac", {"method": "influence", "hessian": "ekfac",
                                             "damping_ratio": args.damping_ratio}))
-    if proj_dim and not compact and sum(k_out * k_in for k_out, k_in in cap.layer_shapes.values()) <= JOINT_MAX_DIM:
+    width = sum(k_out * k_in for k_out, k_in in cap.layer_shapes.values())
+    if proj_dim and not compact and width <= JOINT_MAX_DIM:
         options.append(("influence joint", {"method": "influence", "hessian": "joint",
                                             "damping_ratio": args.damping_ratio}))
     for label, kw in options:

@@ -259,7 +259,7 @@ def test_lowrank_joint_influence_is_woodbury_on_the_top_eigenpairs_of_the_whole_
     explicit = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", top_k=1,
                          return_scores=True)
     scores = {}
-    # F's top eigenvalues are close together here (1702, 1600, 1532 ... 1008 at #16), so subspace
+    # F's top eigenvalues are close together here (in units of λ: 1702, 1600, 1532 ... 1008 at #16), so subspace
     # iteration converges slowly below rank(F): at r=16, 3 iterations are 40% off the truncation, 20
     # are 0.2% off, 40 are 1e-5 off
     for rank, options in ((56, {}), (56, {"block_size": 10}), (16, {"iterations": 40}), (4, {"iterations": 40})):

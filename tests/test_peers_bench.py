@@ -272,8 +272,8 @@ def test_influence_levers_rows_and_its_fisher_helper_against_the_exact_influence
     assert all(-1 <= r["spearman"] <= 1 for r in result.values())
     # the library's rank-r joint Fisher at r >= D (112 here) is the explicit joint one the script builds
     for rank in (128, 256):
-        assert result[f"split_count_joint_r{rank}"]["spearman"] == pytest.approx(result["split_count_joint"]["spearman"],
-                                                                               abs=1e-3)
+        got = result[f"split_count_joint_r{rank}"]["spearman"]
+        assert got == pytest.approx(result["split_count_joint"]["spearman"], abs=1e-3)
     assert result["fisher_kron"]["floats"] == 7 * 16 and result["ekfac_full"]["floats"] == "all"
 
 

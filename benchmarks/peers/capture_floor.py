@@ -123,7 +123,8 @@ def gemm_rows(w: Workload, model, cfg: CaptureConfig, repeats: int) -> list[dict
         for _ in range(repeats):
             for key, fn in fns.items():
                 samples[key].append(_us(fn))
-        rows.append({"layer": name, "shape": [module.out_features, module.in_features], "k": [p_out.shape[0], p_in.shape[0]],
+        rows.append({"layer": name, "shape": [module.out_features, module.in_features],
+                     "k": [p_out.shape[0], p_in.shape[0]],
                      **{k: round(statistics.median(v), 1) for k, v in samples.items()}})
     cap.remove()
     return rows
@@ -167,11 +168,14 @@ def main(argv=None) -> dict:
     print(f"capture floor: {workdir} ({out['arch']}), examples/s, median of {args.repeats} interleaved repeats")
     for kind in PASSES:
         print(f"  {kind:13s} {rate[kind]:8.0f}  ({rate[kind] / rate['bare']:.2f} of bare)  runs {out['runs'][kind]}")
-    print(f"  ours / minimal {out['ours_over_minimal']:.3f}; the store costs {100 * out['store_cost']:.1f}% of the pass")
-    print(f"{'layer':40s} {'out×in':>9s} {'k':>5s} {'layer µs':>9s} {'P a':>7s} {'P aᵀ':>7s} {'P g':>7s} {'P gᵀ':>7s}")
+    print(f"  ours / minimal {out['ours_over_minimal']:.3f}; "
+          f"the store costs {100 * out['store_cost']:.1f}% of the pass")
+    print(f"{'layer':40s} {'out×in':>9s} {'k':>5s} {'layer µs':>9s} "
+          f"{'P a':>7s} {'P aᵀ':>7s} {'P g':>7s} {'P gᵀ':>7s}")
     for r in out["gemm_us"]:
         print(f"{r['layer'][-40:]:40s} {'x'.join(map(str, r['shape'])):>9s} {'x'.join(map(str, r['k'])):>5s} "
-              f"{r['matmul']:9.1f} {r['proj_in']:7.1f} {r['proj_in_T']:7.1f} {r['proj_out']:7.1f} {r['proj_out_T']:7.1f}")
+              f"{r['matmul']:9.1f} {r['proj_in']:7.1f} {r['proj_in_T']:7.1f} "
+              f"{r['proj_out']:7.1f} {r['proj_out_T']:7.1f}")
     print(json.dumps(out))
     return out
 
