@@ -134,10 +134,10 @@ class _RowStore:
         self.block = block
 
     def iter_blocks(self, layers, block_size=None):
-        num = len(next(iter(self.grads.values())))
-        for lo in range(0, num, block_size or self.block):
-            yield SimpleNamespace(ids=range(lo, min(num, lo + (block_size or self.block))),
-                                  grads={n: g[lo:lo + (block_size or self.block)] for n, g in self.grads.items()})
+        num, size = len(next(iter(self.grads.values()))), block_size or self.block
+        for lo in range(0, num, size):
+            yield SimpleNamespace(ids=range(lo, min(num, lo + size)),
+                                  grads={n: g[lo:lo + size] for n, g in self.grads.items()})
 
 
 def library_joint_scores(train: list[torch.Tensor], query: list[torch.Tensor], rank: int) -> torch.Tensor:

@@ -66,10 +66,15 @@ def _flat(g: Any) -> torch.Tensor:
     return flat(g).double()
 
 
-def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = None, explicit: bool = True
-                 ) -> tuple[dict[str, torch.Tensor | None], dict[str, float], int]:
-    """One pass: ``({layer: F [D, D] or None}, {layer: tr(F)}, N)``."""
-    fisher: dict[str, torch.Tensor | None] = {n: None for n in layers}
+def _joint_rows(block: Any, layers: Sequence[str]) -> torch.Tensor:
+    """``[N, Σ D_l]`` float64: each row's layers concatenated in ``layers`` order."""
+    return torch.cat([_flat(block.grads[name]) for name in layers], dim=1)
+
+
+def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, float], int]:
+    """One pass: ``({layer: F [D, D]}, {layer: tr(F)}, N)``."""
+    fisher: dict[str, torch.Tensor] = {}
     trace = dict.fromkeys(layers, 0.0)
     num = 0
     for block in store.iter_blocks(layers=list(layers), block_size=block_size):
@@ -77,24 +82,23 @@ def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = 
         for name in layers:
             g = _flat(block.grads[name])
             trace[name] += float((g * g).sum())
-            if explicit:
-                gram = g.T @ g
-                fisher[name] = gram if fisher[name] is None else fisher[name] + gram
+            gram = g.T @ g
+            fisher[name] = gram if name not in fisher else fisher[name] + gram
     if num == 0:
         raise ValueError("influence needs training rows in the store to estimate the Fisher")
-    return ({n: (f / num if f is not None else None) for n, f in fisher.items()},
-            {n: t / num for n, t in trace.items()}, num)
+    return {n: f / num for n, f in fisher.items()}, {n: t / num for n, t in trace.items()}, num
 
 
 def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: int = 8, iterations: int = 3,
                    block_size: int | None = None, seed: int = 0, joint: bool = False
-                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{layer: (V [D, r], eigenvalues [r])}`` of F by streaming subspace iteration (memory O(D·r)).
+                   ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float], int]:
+    """``({layer: (V [D, r], eigenvalues [r])}, {layer: tr(F)}, N)`` of F by streaming subspace
+    iteration (memory O(D·r)).
 
     ``iterations`` passes over the store after the random start, each orthonormalized; a final
-    Rayleigh-Ritz step on the (r+oversample)-dim subspace gives the eigenpairs. With ``joint``, the
-    one whole-model F over the layers' rows concatenated in ``layers`` order, under the key
-    ``"__joint__"``.
+    Rayleigh-Ritz step on the (r+oversample)-dim subspace gives the eigenpairs. The first pass also
+    takes tr(F), so the damping needs no pass of its own. With ``joint``, the one whole-model F over
+    the layers' rows concatenated in ``layers`` order, under the key ``"__joint__"``.
     """
     shapes = store.layer_shapes
     dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
@@ -106,29 +110,35 @@ def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: 
 
     def rows(block: Any) -> dict[str, torch.Tensor]:
         if joint:
-            return {_JOINT: torch.cat([_flat(block.grads[name]) for name in layers], dim=1)}
+            return {_JOINT: _joint_rows(block, layers)}
         return {name: _flat(block.grads[name]) for name in layers}
 
-    def apply_fisher() -> tuple[dict[str, torch.Tensor], int]:
+    trace = dict.fromkeys(basis, 0.0)
+
+    def apply_fisher(first: bool) -> tuple[dict[str, torch.Tensor], int]:
         out = {n: torch.zeros_like(v) for n, v in basis.items()}
         num = 0
         for block in store.iter_blocks(layers=list(layers), block_size=block_size):
             num += len(block.ids)
             for key, g in rows(block).items():
                 out[key] += g.T @ (g @ basis[key])
-        return {n: v / max(num, 1) for n, v in out.items()}, num
+                if first:
+                    trace[key] += float((g * g).sum())
+        if num == 0:
+            raise ValueError("influence needs training rows in the store to estimate the Fisher")
+        return {n: v / num for n, v in out.items()}, num
 
-    for _ in range(iterations):
-        product, _ = apply_fisher()
+    for i in range(iterations):
+        product, _ = apply_fisher(first=i == 0)
         basis = {n: torch.linalg.qr(p)[0] for n, p in product.items()}
-    product, _ = apply_fisher()
+    product, num = apply_fisher(first=iterations == 0)
     out = {}
     for name in basis:
         small = basis[name].T @ product[name]                       # Vᵀ F V, symmetric (r+p)×(r+p)
         evals, evecs = torch.linalg.eigh((small + small.T) / 2)
         order = torch.argsort(evals, descending=True)[: min(rank, len(evals))]
         out[name] = (basis[name] @ evecs[:, order], evals[order].clamp_min(0))
-    return out
+    return out, {n: t / num for n, t in trace.items()}, num
 
 
 def woodbury_apply(q: torch.Tensor, vecs: torch.Tensor, evals: torch.Tensor, damping: float) -> torch.Tensor:
@@ -190,7 +200,7 @@ def joint_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = 
     fisher, num = None, 0
     for block in store.iter_blocks(layers=list(layers), block_size=block_size):
         num += len(block.ids)
-        g = torch.cat([_flat(block.grads[name]) for name in layers], dim=1)
+        g = _joint_rows(block, layers)
         gram = g.T @ g
         fisher = gram if fisher is None else fisher + gram
     if num == 0:
@@ -328,8 +338,11 @@ class Influence:
             return self._fit_joint(store, layers, block_size)
         if self.hessian == "ekfac":
             fisher, trace, num = ekfac_fisher(store, layers, block_size=block_size)
+        elif self.hessian == "raw":
+            fisher, trace, num = fisher_stats(store, layers, block_size=block_size)
         else:
-            fisher, trace, num = fisher_stats(store, layers, block_size=block_size, explicit=self.hessian == "raw")
+            fisher, trace, num = lowrank_fisher(store, layers, self.rank, oversample=self.oversample,
+                                                iterations=self.iterations, block_size=block_size, seed=self.seed)
         shapes = store.layer_shapes
         damping = {n: (self.damping if self.damping is not None
                        else self.damping_ratio * trace[n] / (shapes[n][0] * shapes[n][1])) for n in layers}
@@ -339,11 +352,8 @@ class Influence:
         if self.hessian == "raw":
             factors = {n: torch.linalg.cholesky(fisher[n] + damping[n] * torch.eye(len(fisher[n]), dtype=torch.float64))
                        for n in layers}
-        elif self.hessian == "ekfac":
+        else:                        # ekfac and lorif: the factors are what was fitted
             factors = fisher
-        else:
-            factors = lowrank_fisher(store, layers, self.rank, oversample=self.oversample,
-                                     iterations=self.iterations, block_size=block_size, seed=self.seed)
         self._fitted = {"factors": factors, "damping": damping, "layers": list(layers)}
         self.info = {"hessian": self.hessian, "damping": damping, "num_rows": num,
                      **({"rank": self.rank} if self.hessian == "lorif" else {})}
@@ -356,21 +366,19 @@ class Influence:
                              f"({dim * dim * 8 / 2 ** 30:.1f} GiB in float64); explicit, it takes at most "
                              f"{JOINT_MAX_DIM} stored floats per example. Pass rank=r (--rank) for its top-r "
                              "eigenpairs (memory O(D·r)), or use hessian='ekfac' or 'lorif' (per layer)")
-        if self.joint_rank is None:
+        if self._explicit:
             fisher, trace, num = joint_fisher(store, layers, block_size=block_size)
         else:
-            _, traces, num = fisher_stats(store, layers, block_size=block_size, explicit=False)
-            trace = sum(traces.values())
+            factors, traces, num = lowrank_fisher(store, layers, self.joint_rank, oversample=self.oversample,
+                                                  iterations=self.iterations, block_size=block_size, seed=self.seed,
+                                                  joint=True)
+            factor, trace = factors[_JOINT], traces[_JOINT]
         lam = self.damping if self.damping is not None else self.damping_ratio * trace / dim
         if not lam > 0:
             raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; "
                              "pass damping=")
-        if self.joint_rank is None:
+        if self._explicit:
             factor = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
-        else:
-            factor = lowrank_fisher(store, layers, self.joint_rank, oversample=self.oversample,
-                                    iterations=self.iterations, block_size=block_size, seed=self.seed,
-                                    joint=True)[_JOINT]
         damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
         self._fitted = {"factors": {_JOINT: factor}, "damping": damping, "layers": list(layers)}
         self.info = {"hessian": "joint", "damping": damping, "num_rows": num,
@@ -405,7 +413,7 @@ class Influence:
                              f"{sorted(queries)}")
         flats = [_flat(queries[name]) for name in layers]
         flat, factor = torch.cat(flats, dim=1), self._fitted["factors"][_JOINT]
-        if self.joint_rank is None:
+        if self._explicit:
             pre = torch.cholesky_solve(flat.T, factor).T
         else:
             pre = woodbury_apply(flat, *factor, self._fitted["damping"][layers[0]])
