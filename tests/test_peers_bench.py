@@ -292,3 +292,37 @@ def test_capture_floor_times_the_four_passes_and_the_projection_gemms(tmp_path):
     assert [r["layer"] for r in out["gemm_us"]] == W.linear_names(model)
     assert all(r["k"] == [4, 4] and min(r["matmul"], r["proj_in"], r["proj_out_T"]) > 0 for r in out["gemm_us"])
     json.dumps(out)                                      # the script's last line
+
+
+@pytest.mark.parametrize("arch", W.ARCHS)
+def test_capture_floor_minimal_and_fused_passes_compute_projected_exact_gradients(tmp_path, arch):
+    """The floor passes are timed only if they do the work: each layer's [B, k, k] equals
+    P_out G_i P_inᵀ of the exact per-example gradient from torch.func."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.peers import capture_floor as CF
+    from olmo_tda import CaptureConfig
+
+    tiny = W.Workload(arch=arch, d_model=16, n_heads=2, n_layers=1, seq_len=12, n_train=8, n_query=2, batch=4,
+                      k=4, warmup_steps=2)
+    W.prepare(tmp_path, tiny)
+    _, model, train, _ = W.load(tmp_path)
+    batch = train[:4]
+    cfg = CaptureConfig(proj_dim=4, seed=3)
+    exact = W.exact_gradients(model, batch)
+    cap = CF.GradientCapture(model, cfg)
+    expected, col = {}, 0
+    for name in W.linear_names(model):                   # exact_gradients' column order
+        module = cap.modules[name]
+        size = module.weight.numel()
+        g = exact[:, col:col + size].reshape(len(batch), *module.weight.shape)
+        col += size
+        p_out, p_in = cap.projectors[name].matrices()
+        expected[name] = p_out @ g @ p_in.T
+    cap.remove()
+    assert col == exact.shape[1]
+    for kind in ("minimal", "fused"):
+        got = CF.products(kind, model, cfg, batch)
+        assert set(got) == set(expected), kind
+        for name, want in expected.items():
+            torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=f"{kind} {name}")
+    assert all(type(m).forward is m.forward.__func__ for m in cap.modules.values())   # forwards restored
