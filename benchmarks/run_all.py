@@ -32,6 +32,7 @@ OTHERS = {
     "routing": ["--quick"],
     "store_query": ["--quick"],
     "store_read": ["--quick"],
+    "store_append": ["--quick"],
     "fidelity_bytes": ["--quick"],
     "projection_fidelity": [],
     "tied_head_fidelity": [],

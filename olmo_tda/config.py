@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import enum
 import fnmatch
+import math
 import types
 import typing
 import warnings
@@ -263,6 +264,10 @@ class StoreConfig:
     """On-disk dtype of gradients. Rankings barely move in 16 bits (see docs/BENCHMARKS.md)."""
     flush_every: int = 32
     """Training steps per shard. A crash loses at most this window of unflushed steps."""
+    flush_mb: float = 1024.0
+    """A window is also written once its encoded rows reach this many MB, even inside one step (a
+    post-hoc capture appends every example at one step): the writer's memory and a crash's loss stay
+    bounded however large a step is."""
     queue_size: int = 8
     """Records the background writer may hold before the training step waits (back-pressure)."""
     compression: str | None = None
@@ -274,6 +279,8 @@ class StoreConfig:
     def validate(self, path: str = "store") -> None:
         _check_types(self, path)
         _check(self.flush_every >= 1, f"{path}.flush_every", f"must be >= 1, got {self.flush_every}")
+        _check(math.isfinite(self.flush_mb) and self.flush_mb > 0, f"{path}.flush_mb",
+               f"must be a positive number of MB, got {self.flush_mb}")
         _check(self.queue_size >= 1, f"{path}.queue_size", f"must be >= 1, got {self.queue_size}")
         _check(self.compression in (None, "lzf", "gzip"), f"{path}.compression",
                f"must be null, 'lzf' or 'gzip', got {self.compression!r}")

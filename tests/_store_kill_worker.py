@@ -50,12 +50,12 @@ def loss_scale_at(step: int) -> float:
     return 1.0 + 0.5 * step
 
 
-def make_record(step: int, rows: int = ROWS_PER_STEP, layers=LAYERS):
+def make_record(step: int, rows: int = ROWS_PER_STEP, layers=LAYERS, ids=None):
     import torch
 
     from olmo_tda.store import GradientRecord
 
-    ids = ids_at(step, rows)
+    ids = ids_at(step, rows) if ids is None else np.asarray(ids, dtype=np.int64)
     grads = {layer["name"]: torch.from_numpy(np.stack([expected_grad(int(i), step, li, layer["shape"])
                                                        for i in ids]))
              for li, layer in enumerate(layers)}
@@ -121,6 +121,25 @@ def task_append_loop(path: str, start_step: int, flush_every: int, dtype: str = 
     _event(event="closed", last_step=step - 1)
 
 
+def task_one_step_loop(path: str, step: int, rows: int, flush_mb: float, start: int = 0,
+                       records: int | None = None) -> None:
+    """A post-hoc capture: records ``start, start + 1, ...`` all at ``step``, record ``r`` holding ids
+    ``r·rows .. r·rows + rows - 1``; windows close by ``flush_mb`` only. Reports each appended record."""
+    from olmo_tda.config import StoreConfig
+    from olmo_tda.store import GradientStore
+
+    store = GradientStore.create(path, META, StoreConfig(flush_mb=flush_mb, queue_size=2))
+    _event(event="ready")
+    r = start
+    while records is None or r < start + records:
+        store.append(make_record(step, ids=np.arange(r * rows, (r + 1) * rows)))
+        _event(event="appended", record=r)
+        r += 1
+        time.sleep(0.002)
+    store.close()
+    _event(event="closed")
+
+
 def task_truncate_crash(path: str, step: int) -> None:
     """``truncate_after(step)``, SIGKILLed after the manifest is rewritten but before shard files change."""
     from olmo_tda.config import StoreConfig
@@ -165,7 +184,8 @@ def task_disk_full(path: str, limit_bytes: int, big_rows: int) -> None:
     _event(**result)
 
 
-TASKS = {"append_loop": task_append_loop, "truncate_crash": task_truncate_crash, "disk_full": task_disk_full}
+TASKS = {"append_loop": task_append_loop, "one_step_loop": task_one_step_loop, "truncate_crash": task_truncate_crash,
+         "disk_full": task_disk_full}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -170,6 +170,18 @@ def test_store_read_runs(tmp_path):
     assert out.returncode != 0 and "--small must be RxF" in out.stderr
 
 
+def test_store_append_runs(tmp_path):
+    res = _last_json("store_append.py", "--n", "320", "--rounds", "1", "--work-dir", str(tmp_path))
+    assert res["benchmark"] == "store_append" and res["rows"] == [320, 1280]
+    # the one-step layout closes windows by flush_mb: as many shards as the per-step one
+    assert res["shards"] == {"per_step@320": 1, "one_step@320": 1, "per_step@1280": 3, "one_step@1280": 3}
+    assert res["one_step_scaling"] > 0 and res["one_step_over_per_step"] > 0
+    assert not any(tmp_path.iterdir())                                   # stores removed
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_append.py"), "--n", "10"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "--n must be a positive multiple of 16" in out.stderr
+
+
 def test_routing_runs():
     res = _last_json("routing.py", "--tokens", "1,8,64", "--ranks", "1,4", "--query-q", "1,16", "--rounds", "1",
                      "--min-sample-s", "0.001", "--capture-batch", "4", "--ghost-n", "32")

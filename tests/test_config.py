@@ -31,6 +31,7 @@ def test_defaults_and_round_trip():
     ({"capture": {"modules": [1]}}, r"tda\.capture\.modules\[0\]: expected a string"),
     ({"enabled": "yes"}, r"tda\.enabled: expected true/false"),
     ({"store": {"flush_every": 0}}, r"tda\.store\.flush_every: must be >= 1"),
+    ({"store": {"flush_mb": 0}}, r"tda\.store\.flush_mb: must be a positive number of MB, got 0"),
     ({"store": {"compression": "zstd"}}, r"tda\.store\.compression"),
     ({"store": []}, r"tda\.store: expected a mapping"),
     ({"batch": {"reducton": "sum"}}, r"tda\.batch\.reducton: unknown key; did you mean 'reduction'\?"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import select
@@ -460,6 +461,56 @@ def test_reopen_continues_seq_numbering_and_skips_duplicates(tmp_path, caplog):
     assert store.stats["rows_written"] == 30 and store.stats["records_appended"] == 13
 
 
+def test_step_keys_agree_with_isin_across_merges():
+    from olmo_tda.store.keys import StepKeys
+
+    rng = np.random.default_rng(0)
+    held = rng.choice(10_000, 300, replace=False)
+    keys, truth = StepKeys(3, held, merge_at=50), set(held.tolist())
+    for _ in range(200):
+        ids = rng.integers(0, 10_000, 16)
+        assert keys.contains(ids).tolist() == np.isin(ids, list(truth)).tolist()
+        new = ids[rng.random(16) < 0.5]
+        keys.add(new)
+        truth.update(new.tolist())
+        assert len(keys) == len(truth)
+    assert not StepKeys(0).contains(np.array([1, 2])).any()
+
+
+def test_one_large_step_spans_shards_by_flush_mb_and_duplicates_are_found_across_them(tmp_path):
+    """A post-hoc capture at one step: windows close by size, not by step count; a key already in
+    an earlier shard of the same step, in the window, or in a shard of an earlier writer is skipped."""
+    path = tmp_path / "s"
+    row_bytes = sum(4 * math.prod(layer["shape"]) for layer in worker.LAYERS)
+    cfg = {"flush_every": 1000, "flush_mb": 6 * row_bytes / 2 ** 20}       # a window: 6 rows
+    records = random_records([5] * 10, rows_per_step=3, seed=11)
+    for i, r in enumerate(records):
+        r.ids[:] = np.arange(3 * i, 3 * i + 3)
+    with GradientStore.create(path, META, StoreConfig(**cfg)) as w:
+        for r in records:
+            w.append(r)
+        again = random_records([5], rows_per_step=3, seed=12)[0]
+        again.ids[:] = [0, 28, 30]            # 0: two shards back; 28: in the window; 30: new
+        w.append(again)
+        w.flush()
+        assert w.stats["rows_skipped_duplicate"] == 2
+    store = GradientStore.open(path)
+    assert len(store.shards) == 6 and all(s.step_min == s.step_max == 5 for s in store.shards)
+    assert sorted(store.read_all().ids.tolist()) == list(range(31))
+    want = expected_rows(records)
+    block = store.read_all()
+    for k, key in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
+        if key[0] < 30:
+            assert torch.equal(block.grads[LAYERS[1]][k], want[key][2][LAYERS[1]])
+    with GradientStore.create(path, META, StoreConfig(**cfg)) as w:     # a second writer, same step
+        w.append(records[4])
+        w.append(again)
+        w.flush()
+        assert w.stats["rows_skipped_duplicate"] == 2 + 6            # counters carry over writers
+        assert w.truncate_after(4) == 31                       # truncation drops the whole step
+    assert GradientStore.open(path).num_rows == 0
+
+
 def test_truncate_after_drops_later_steps_then_appending_resumes(tmp_path):
     path = tmp_path / "s"
     records = random_records(range(10), seed=6)
@@ -823,6 +874,40 @@ def test_sigkill_at_random_moments_never_leaves_partial_or_duplicate_rows(tmp_pa
         assert w.stats["rows_skipped_duplicate"] >= 2 * worker.ROWS_PER_STEP
     steps = check_worker_rows(GradientStore.open(path))
     assert steps == set(range(next_step + 5))
+
+
+def test_sigkill_inside_one_large_step_loses_at_most_the_unflushed_window(tmp_path, zygote):
+    """A post-hoc capture appends every example at one step: windows close by ``flush_mb``, so a
+    SIGKILL loses at most the queue and one window, and a rerun from the start skips what is durable."""
+    path, rows, step = tmp_path / "s", 4, 7
+    row_bytes = sum(4 * math.prod(layer["shape"]) for layer in worker.LAYERS)
+    per_window = 5                                              # records a window holds
+    flush_mb = per_window * rows * row_bytes / 2 ** 20
+    pid = zygote.start("one_step_loop", path=str(path), step=step, rows=rows, flush_mb=flush_mb)
+    reported = zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "appended" and m["record"] >= 40)
+    os.kill(pid, signal.SIGKILL)
+    assert os.WIFSIGNALED(zygote.wait_exit(pid))
+    store = GradientStore.open(path)
+    assert check_worker_rows_at(store, step) == set(range(store.num_rows))    # a prefix of the ids, bit-exact
+    assert len(store.shards) >= 7 and tmp_files(path) == []
+    lost = (reported["record"] + 1) * rows - store.num_rows
+    assert lost <= (2 + per_window) * rows, f"lost {lost} rows"                # queue_size 2 + a window
+    # rerun from the first record: what is durable is skipped, across all the step's shards
+    pid = zygote.start("one_step_loop", path=str(path), step=step, rows=rows, flush_mb=flush_mb, records=60)
+    zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "closed")
+    assert zygote.wait_exit(pid) == 0
+    assert check_worker_rows_at(GradientStore.open(path), step) == set(range(60 * rows))
+
+
+def check_worker_rows_at(store, step):
+    """Every row is at ``step`` and equals the workers' data for (id, step); no duplicate ids. Returns the ids."""
+    block = store.read_all()
+    assert set(block.steps.tolist()) <= {step} and len(set(block.ids.tolist())) == len(block.ids)
+    for k, ex in enumerate(block.ids.tolist()):
+        for li, layer in enumerate(worker.LAYERS):
+            want = torch.from_numpy(worker.expected_grad(ex, step, li, layer["shape"]))
+            assert torch.equal(block.grads[layer["name"]][k], want), (ex, layer["name"])
+    return set(block.ids.tolist())
 
 
 @pytest.mark.parametrize("crash_at", ["before_rename", "before_manifest"])

@@ -2,7 +2,9 @@
 
 A resumed run replays steps that may already be stored; those rows must be skipped, not stored
 twice. Keeping every key in memory would cost 8 bytes a row forever, so keys are looked up lazily
-per step from the shards whose step range covers it (cheap columns: ``ids``, ``steps``).
+per step from the shards whose step range covers it (cheap columns: ``ids``, ``steps``). The
+writer holds the keys of the step it is appending to in a :class:`StepKeys`, whatever the number of
+shards and records that step spans (a post-hoc capture appends every example at one step).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 
 from .format import ShardInfo, open_h5
 
-__all__ = ["KeyIndex"]
+__all__ = ["KeyIndex", "StepKeys"]
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int64)
 
@@ -75,3 +77,37 @@ def _group_by_step(ids: np.ndarray, steps: np.ndarray) -> dict[int, np.ndarray]:
     ids, steps = ids[order], steps[order]
     cuts = np.flatnonzero(np.diff(steps)) + 1
     return {int(s[0]): i for s, i in zip(np.split(steps, cuts), np.split(ids, cuts)) if len(s)}
+
+
+class StepKeys:
+    """The ids already held at one step: a sorted array plus a set of recent additions, merged into
+    the array once the set passes ``merge_at`` ids. A lookup costs O(b log n) for b ids against n
+    held, an addition amortized O(n / merge_at) — one step's appends stay linear in its rows (an
+    ``isin`` against every earlier id would be quadratic). Memory: 8 bytes per held id."""
+
+    def __init__(self, step: int, ids: np.ndarray = _EMPTY_IDS, merge_at: int = 1 << 16):
+        self.step = step
+        self._sorted = np.unique(np.asarray(ids, dtype=np.int64))
+        self._recent: set[int] = set()
+        self._merge_at = merge_at
+
+    def __len__(self) -> int:
+        return len(self._sorted) + len(self._recent)
+
+    def contains(self, ids: np.ndarray) -> np.ndarray:
+        """Boolean mask: which of ``ids`` are held."""
+        ids = np.asarray(ids, dtype=np.int64)
+        at = np.searchsorted(self._sorted, ids)
+        hit = self._sorted[np.minimum(at, len(self._sorted) - 1)] == ids if len(self._sorted) \
+            else np.zeros(len(ids), dtype=bool)
+        if self._recent:
+            hit |= np.fromiter((i in self._recent for i in ids.tolist()), dtype=bool, count=len(ids))
+        return hit
+
+    def add(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        self._recent.update(ids[~self.contains(ids)].tolist())
+        if len(self._recent) >= self._merge_at:
+            new = np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
+            self._sorted = np.union1d(self._sorted, new)
+            self._recent = set()

@@ -3,14 +3,15 @@
 The training thread only validates a record's layer names/shapes and enqueues it (a bounded queue:
 when the writer falls behind, ``append`` blocks instead of memory growing). The writer thread moves
 tensors to CPU, encodes them in the store dtype, drops non-finite and duplicate rows, buffers a
-window of ``flush_every`` distinct steps and writes it as one shard (see :mod:`.format`).
+window of ``flush_every`` distinct steps (or ``flush_mb`` of rows, whichever comes first: one step
+may span shards) and writes it as one shard (see :mod:`.format`).
 
 Failures in the thread are raised in the caller at its next ``append``/``flush``/``close`` as
 :class:`StoreWriteError`. A failed shard write removes its temp file and keeps the window in memory,
 so the next flush retries it; shards already durable are never touched by a failing write.
 
-Memory held: at most ``queue_size`` records in the queue + one window of ``flush_every`` steps
-(rows × Σ_layers k_out·k_in × bytes of the store dtype).
+Memory held: at most ``queue_size`` records in the queue + one window (at most ``flush_every``
+steps and about ``flush_mb`` MB of encoded rows) + 8 bytes per id stored at the step being appended.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .format import (
     write_json_atomic,
     write_shard,
 )
-from .keys import KeyIndex
+from .keys import KeyIndex, StepKeys
 from .manifest import RankLock, RankState, scan_store, write_manifest
 from .meta import build_store_meta, check_meta_compatible, load_store_json
 from .record import GradientRecord, LowRank
@@ -94,6 +95,8 @@ class StoreWriter:
         # window buffer: one chunk per ingested record (rows kept), owned by the writer thread
         self._chunks: list[dict[str, Any]] = []
         self._window_keys: dict[int, list[np.ndarray]] = {}
+        self._window_bytes = 0
+        self._step_keys: StepKeys | None = None   # ids held at the step last appended to
         self._window_nonfinite: list[tuple[int, np.ndarray]] = []
         self._manifest_dirty = False
         self._warned_duplicates = False
@@ -288,7 +291,8 @@ class StoreWriter:
                 except Exception as e:  # noqa: BLE001 - surfaced in the caller thread
                     self._fail(e, f"ingesting the record of step {item.step}", retryable=False)
                     continue
-                if len(self._window_keys) >= self._config.flush_every:
+                if len(self._window_keys) >= self._config.flush_every \
+                        or self._window_bytes >= self._config.flush_mb * 2 ** 20:
                     try:
                         self._write_window()
                     except Exception as e:  # noqa: BLE001
@@ -335,8 +339,7 @@ class StoreWriter:
         # duplicates: repeats inside the record, then keys already stored or already in the window
         first = np.zeros(len(ids), dtype=bool)
         first[np.unique(ids, return_index=True)[1]] = True
-        seen = [self._index.ids_at(step), *self._window_keys.get(step, [])]
-        duplicate = ~first | np.isin(ids, np.concatenate(seen))
+        duplicate = ~first | self._keys_at(step).contains(ids)
         bad = np.zeros(len(ids), dtype=bool)
         for w in words:
             bad |= nonfinite_rows(w, self.dtype)
@@ -365,6 +368,15 @@ class StoreWriter:
                              "lr": np.full(n, record.lr), "loss_scale": np.ascontiguousarray(loss_scale),
                              "grads": words})
         self._window_keys.setdefault(step, []).append(ids)
+        self._window_bytes += sum(w.nbytes for w in words)
+        self._step_keys.add(ids)
+
+    def _keys_at(self, step: int) -> StepKeys:
+        """The ids held at ``step`` (durable or in the window), rebuilt only when the step changes."""
+        if self._step_keys is None or self._step_keys.step != step:
+            self._step_keys = StepKeys(step, np.concatenate([self._index.ids_at(step),
+                                                             *self._window_keys.get(step, [])]))
+        return self._step_keys
 
     def _write_window(self) -> ShardInfo | None:
         info = None
@@ -377,7 +389,7 @@ class StoreWriter:
                 self._state.next_seq = seq + 1
                 self._state.counters["rows_written"] += info.num_rows
             self._index.add(info, {s: np.unique(np.concatenate(v)) for s, v in self._window_keys.items()})
-            self._chunks, self._window_keys = [], {}
+            self._chunks, self._window_keys, self._window_bytes = [], {}, 0
             self._manifest_dirty = True
             self._warn_nonfinite(info)
         if self._manifest_dirty:
@@ -410,7 +422,9 @@ class StoreWriter:
             else:
                 kept_chunks.append(chunk)
         self._chunks = kept_chunks
+        self._window_bytes = sum(w.nbytes for chunk in kept_chunks for w in chunk["grads"])
         self._window_keys = {s: v for s, v in self._window_keys.items() if s <= step}
+        self._step_keys = None
         self._window_nonfinite = [(s, i) for s, i in self._window_nonfinite if s <= step]
 
         shards = self._state.shards
