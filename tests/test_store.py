@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import _store_kill_worker as worker
-from olmo_tda.config import StoreConfig
+from olmo_tda.config import StoreConfig, StoreDType
 from olmo_tda.store import (
     GradientRecord,
     GradientStore,
@@ -983,3 +983,34 @@ def test_warnings_module_is_quiet_for_clean_data(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         write_store(tmp_path / "s", random_records(range(3)), flush_every=1).read_all()
+
+
+@pytest.mark.gpu
+def test_cuda_and_mixed_device_records_store_the_bytes_of_their_cpu_copies(tmp_path):
+    """The writer joins a record's layers on their device before the one copy to host; layers on
+    different devices are moved first. Either way the rows are the CPU record's, bit for bit."""
+    records = random_records(range(3), seed=21)
+    moved = []
+    for i, r in enumerate(records):
+        grads = {name: (g.cuda() if i == 1 or name == LAYERS[0] else g) for name, g in r.grads.items()}
+        moved.append(GradientRecord(ids=r.ids, step=r.step, lr=r.lr, loss_scale=r.loss_scale, grads=grads))
+    for dtype in ("float32", "bfloat16"):
+        cpu = write_store(tmp_path / f"cpu-{dtype}", records, dtype=dtype).read_all()
+        gpu = write_store(tmp_path / f"gpu-{dtype}", moved, dtype=dtype).read_all()
+        for name in LAYERS:
+            assert torch.equal(cpu.grads[name], gpu.grads[name]), (dtype, name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_layers_of_different_float_dtypes_are_encoded_as_each_alone(tmp_path, dtype):
+    """A record's layers are joined into one tensor before encoding (float promotion): each layer's
+    stored words must still be what encoding that layer alone gives."""
+    from olmo_tda.store.format import decode_grads, encode_grads
+
+    r = random_records([0], seed=22)[0]
+    r.grads[LAYERS[0]] = r.grads[LAYERS[0]].to(torch.bfloat16)
+    r.grads[LAYERS[1]] = r.grads[LAYERS[1]].to(torch.float16)
+    block = write_store(tmp_path / "s", [r], dtype=dtype).read_all()
+    for name in LAYERS:
+        want = decode_grads(encode_grads(r.grads[name], StoreDType(dtype)), StoreDType(dtype))
+        assert torch.equal(block.grads[name], want), name
