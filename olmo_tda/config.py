@@ -266,8 +266,9 @@ class StoreConfig:
     """Training steps per shard. A crash loses at most this window of unflushed steps."""
     flush_mb: float = 1024.0
     """A window is also written once its encoded rows reach this many MB, even inside one step (a
-    post-hoc capture appends every example at one step): the writer's memory and a crash's loss stay
-    bounded however large a step is."""
+    post-hoc capture appends every example at one step), so however large a step is, the writer
+    holds about this much (twice while a shard is built in memory) and a crash loses at most this
+    much. A failing disk keeps the window in memory, growing, until a write succeeds."""
     queue_size: int = 8
     """Records the background writer may hold before the training step waits (back-pressure)."""
     compression: str | None = None

@@ -474,6 +474,7 @@ def test_step_keys_agree_with_isin_across_merges():
         keys.add(new)
         truth.update(new.tolist())
         assert len(keys) == len(truth)
+    assert 2 <= len(keys._runs) <= math.log2(len(truth) / 50) + 2       # merged into O(log n) runs
     assert not StepKeys(0).contains(np.array([1, 2])).any()
 
 
@@ -483,32 +484,45 @@ def test_one_large_step_spans_shards_by_flush_mb_and_duplicates_are_found_across
     path = tmp_path / "s"
     row_bytes = sum(4 * math.prod(layer["shape"]) for layer in worker.LAYERS)
     cfg = {"flush_every": 1000, "flush_mb": 6 * row_bytes / 2 ** 20}       # a window: 6 rows
-    records = random_records([5] * 10, rows_per_step=3, seed=11)
+    records = random_records([5] * 11, rows_per_step=3, seed=11)
     for i, r in enumerate(records):
         r.ids[:] = np.arange(3 * i, 3 * i + 3)
     with GradientStore.create(path, META, StoreConfig(**cfg)) as w:
         for r in records:
-            w.append(r)
+            w.append(r)                       # 5 shards of 6 rows; ids 30-32 in the window
         again = random_records([5], rows_per_step=3, seed=12)[0]
-        again.ids[:] = [0, 28, 30]            # 0: two shards back; 28: in the window; 30: new
+        again.ids[:] = [0, 31, 40]            # 0: five shards back; 31: in the window; 40: new
         w.append(again)
         w.flush()
         assert w.stats["rows_skipped_duplicate"] == 2
     store = GradientStore.open(path)
     assert len(store.shards) == 6 and all(s.step_min == s.step_max == 5 for s in store.shards)
-    assert sorted(store.read_all().ids.tolist()) == list(range(31))
+    assert sorted(store.read_all().ids.tolist()) == [*range(33), 40]
     want = expected_rows(records)
     block = store.read_all()
     for k, key in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
-        if key[0] < 30:
+        if key[0] < 33:
             assert torch.equal(block.grads[LAYERS[1]][k], want[key][2][LAYERS[1]])
     with GradientStore.create(path, META, StoreConfig(**cfg)) as w:     # a second writer, same step
         w.append(records[4])
         w.append(again)
         w.flush()
         assert w.stats["rows_skipped_duplicate"] == 2 + 6            # counters carry over writers
-        assert w.truncate_after(4) == 31                       # truncation drops the whole step
-    assert GradientStore.open(path).num_rows == 0
+        assert w.truncate_after(4) == 34                       # truncation drops the whole step
+        w.append(records[4])                                   # ...so its keys are free again
+        w.flush()
+        assert w.stats["rows_skipped_duplicate"] == 8
+    assert sorted(GradientStore.open(path).read_all().ids.tolist()) == [12, 13, 14]
+
+
+def test_a_step_revisited_inside_one_window_still_finds_its_buffered_keys(tmp_path):
+    """Steps 5, 6, 5 in one window: returning to step 5 rebuilds its keys from the window."""
+    records = random_records([5, 6, 5], rows_per_step=3, seed=13)
+    records[2].ids[:] = [records[0].ids[1], 500, 501]
+    store = write_store(tmp_path / "s", records, flush_every=1000)
+    assert store.stats["rows_skipped_duplicate"] == 1 and store.num_rows == 8 and len(store.shards) == 1
+    keys = list(zip(*[a.tolist() for a in (store.read_all().ids, store.read_all().steps)]))
+    assert len(keys) == len(set(keys))
 
 
 def test_truncate_after_drops_later_steps_then_appending_resumes(tmp_path):
@@ -893,10 +907,11 @@ def test_sigkill_inside_one_large_step_loses_at_most_the_unflushed_window(tmp_pa
     lost = (reported["record"] + 1) * rows - store.num_rows
     assert lost <= (2 + per_window) * rows, f"lost {lost} rows"                # queue_size 2 + a window
     # rerun from the first record: what is durable is skipped, across all the step's shards
-    pid = zygote.start("one_step_loop", path=str(path), step=step, rows=rows, flush_mb=flush_mb, records=60)
+    records = store.num_rows // rows + 20
+    pid = zygote.start("one_step_loop", path=str(path), step=step, rows=rows, flush_mb=flush_mb, records=records)
     zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "closed")
     assert zygote.wait_exit(pid) == 0
-    assert check_worker_rows_at(GradientStore.open(path), step) == set(range(60 * rows))
+    assert check_worker_rows_at(GradientStore.open(path), step) == set(range(records * rows))
 
 
 def check_worker_rows_at(store, step):

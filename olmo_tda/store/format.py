@@ -95,6 +95,12 @@ def disk_dtype(dtype: StoreDType) -> type:
     return _DISK_DTYPE[StoreDType(dtype)]
 
 
+def torch_dtype(dtype: StoreDType) -> torch.dtype:
+    """The torch dtype whose values the store's words hold."""
+    return {StoreDType.FLOAT32: torch.float32, StoreDType.FLOAT16: torch.float16,
+            StoreDType.BFLOAT16: torch.bfloat16}[StoreDType(dtype)]
+
+
 def encode_grads(grads_NOI: torch.Tensor, dtype: StoreDType) -> np.ndarray:
     """float tensor ``[N, k_out, k_in]`` (CPU) → numpy in the store's on-disk words."""
     dtype = StoreDType(dtype)

@@ -80,26 +80,29 @@ def _group_by_step(ids: np.ndarray, steps: np.ndarray) -> dict[int, np.ndarray]:
 
 
 class StepKeys:
-    """The ids already held at one step: a sorted array plus a set of recent additions, merged into
-    the array once the set passes ``merge_at`` ids. A lookup costs O(b log n) for b ids against n
-    held, an addition amortized O(n / merge_at) — one step's appends stay linear in its rows (an
-    ``isin`` against every earlier id would be quadratic). Memory: 8 bytes per held id."""
+    """The ids already held at one step, for duplicate checks while appending to it: a set of recent
+    additions and a few sorted, disjoint runs. A full set (``merge_at`` ids) becomes a run; a run
+    merges with the one before it while that one is at most twice its size, so there are O(log n)
+    runs and each id is re-merged O(log n) times. A lookup of b ids costs O(b log² n); appending a
+    whole step of n ids costs O(n log n) (an ``isin`` against every earlier id was quadratic).
+    Memory: 8 bytes per held id, plus the set."""
 
     def __init__(self, step: int, ids: np.ndarray = _EMPTY_IDS, merge_at: int = 1 << 16):
         self.step = step
-        self._sorted = np.unique(np.asarray(ids, dtype=np.int64))
+        held = np.unique(np.asarray(ids, dtype=np.int64))
+        self._runs: list[np.ndarray] = [held] if len(held) else []
         self._recent: set[int] = set()
         self._merge_at = merge_at
 
     def __len__(self) -> int:
-        return len(self._sorted) + len(self._recent)
+        return sum(len(run) for run in self._runs) + len(self._recent)
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """Boolean mask: which of ``ids`` are held."""
         ids = np.asarray(ids, dtype=np.int64)
-        at = np.searchsorted(self._sorted, ids)
-        hit = self._sorted[np.minimum(at, len(self._sorted) - 1)] == ids if len(self._sorted) \
-            else np.zeros(len(ids), dtype=bool)
+        hit = np.zeros(len(ids), dtype=bool)
+        for run in self._runs:
+            hit |= run[np.minimum(np.searchsorted(run, ids), len(run) - 1)] == ids
         if self._recent:
             hit |= np.fromiter((i in self._recent for i in ids.tolist()), dtype=bool, count=len(ids))
         return hit
@@ -107,7 +110,11 @@ class StepKeys:
     def add(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64)
         self._recent.update(ids[~self.contains(ids)].tolist())
-        if len(self._recent) >= self._merge_at:
-            new = np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
-            self._sorted = np.union1d(self._sorted, new)
-            self._recent = set()
+        if len(self._recent) < self._merge_at:
+            return
+        self._runs.append(np.sort(np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))))
+        self._recent = set()
+        while len(self._runs) > 1 and len(self._runs[-2]) <= 2 * len(self._runs[-1]):
+            last = self._runs.pop()
+            # two sorted runs: numpy's stable sort (timsort/radix) merges them in linear time
+            self._runs[-1] = np.sort(np.concatenate([self._runs[-1], last]), kind="stable")
