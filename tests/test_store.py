@@ -88,13 +88,19 @@ def check_worker_rows(store):
     assert len(keys) == len(set(keys)), "duplicate (id, step) rows"
     for k, (ex, step) in enumerate(keys):
         assert block.lr[k] == worker.lr_at(step) and block.loss_scale[k] == worker.loss_scale_at(step)
-        for li, layer in enumerate(worker.LAYERS):
-            want = torch.from_numpy(worker.expected_grad(ex, step, li, layer["shape"]))
-            assert torch.equal(block.grads[layer["name"]][k], want), (ex, step, layer["name"])
+    check_worker_grads(block)
     steps = set(block.steps.tolist())
     for step in steps:  # a step is written by one window: all of its rows or none
         assert sorted(block.ids[block.steps == step].tolist()) == sorted(worker.ids_at(step).tolist())
     return steps
+
+
+def check_worker_grads(block):
+    """Every row's gradients are the workers' deterministic data for its (id, step), bit for bit."""
+    for k, (ex, step) in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
+        for li, layer in enumerate(worker.LAYERS):
+            want = torch.from_numpy(worker.expected_grad(ex, step, li, layer["shape"]))
+            assert torch.equal(block.grads[layer["name"]][k], want), (ex, step, layer["name"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -918,10 +924,7 @@ def check_worker_rows_at(store, step):
     """Every row is at ``step`` and equals the workers' data for (id, step); no duplicate ids. Returns the ids."""
     block = store.read_all()
     assert set(block.steps.tolist()) <= {step} and len(set(block.ids.tolist())) == len(block.ids)
-    for k, ex in enumerate(block.ids.tolist()):
-        for li, layer in enumerate(worker.LAYERS):
-            want = torch.from_numpy(worker.expected_grad(ex, step, li, layer["shape"]))
-            assert torch.equal(block.grads[layer["name"]][k], want), (ex, layer["name"])
+    check_worker_grads(block)
     return set(block.ids.tolist())
 
 

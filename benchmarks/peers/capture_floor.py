@@ -108,11 +108,15 @@ def _fused_forwards(cap: GradientCapture, sink: list) -> Callable[[], None]:
     return restore
 
 
+FLOOR_HOOKS = {"minimal": _minimal_hooks, "fused": _fused_forwards}
+"""The hand-written floor passes: ``kind -> install(cap, sink)``, which returns what uninstalls."""
+
+
 def products(kind: str, model, cfg: CaptureConfig, batch: torch.Tensor) -> dict[str, torch.Tensor]:
     """``{layer: [B, k_out, k_in]}``: what the ``minimal`` or ``fused`` pass computes for ``batch``."""
     cap = GradientCapture(model, cfg)
     sink: list = []
-    undo = {"minimal": _minimal_hooks, "fused": _fused_forwards}[kind](cap, sink)
+    undo = FLOOR_HOOKS[kind](cap, sink)
     cap.remove()
     try:
         with activation_grads_only(model):
@@ -126,7 +130,7 @@ def time_pass(kind: str, w: Workload, model, train: torch.Tensor, cfg: CaptureCo
     """Examples per second of one pass of ``kind`` over ``train``."""
     cap = GradientCapture(model, cfg)
     sink: list = []
-    undo = {"minimal": _minimal_hooks, "fused": _fused_forwards}.get(kind, lambda cap, sink: None)(cap, sink)
+    undo = FLOOR_HOOKS[kind](cap, sink) if kind in FLOOR_HOOKS else None
     if kind in HOOKED:
         cap.remove()
     tmp = tempfile.TemporaryDirectory()
