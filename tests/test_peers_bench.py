@@ -204,6 +204,8 @@ def test_run_with_ours_only_prints_json(tmp_path, arch):
     full = json.loads((tmp_path / "r.json").read_text())
     assert full["rows"]["olmo_tda"]["overhead"] is not None
     assert -1 <= full["rows"]["olmo_tda"]["influence_spearman"] <= 1
+    assert full["command"].startswith("python benchmarks/peers/run.py --systems olmo_tda --repeats 1 --n-train 32 "
+                                      "--d-model 32 --seq-len 16")       # the flags that made this table
     import run as peers
 
     text = peers.markdown(full)
@@ -326,3 +328,40 @@ def test_capture_floor_minimal_and_fused_passes_compute_projected_exact_gradient
         for name, want in expected.items():
             torch.testing.assert_close(got[name], want, rtol=1e-4, atol=1e-5, msg=f"{kind} {name}")
     assert all(type(m).forward is m.forward.__func__ for m in cap.modules.values())   # forwards restored
+
+
+def test_sweep_parses_points_and_tabulates_its_pairs(tmp_path):
+    """sweep.py: bad points are refused by name; a point that times out is a failed row with its
+    reason; the summary's min/median/target count come from the measured points only."""
+    import sweep
+
+    assert sweep.parse_points("linear:64:16, olmo:128:8") == [("linear", 64, 16), ("olmo", 128, 8)]
+    for bad in ("linear:64", "gpt:64:8", "linear:64:0", "linear:66:8", "linear:x:8", " , "):
+        with pytest.raises(ValueError, match="bad point|no points"):
+            sweep.parse_points(bad)
+
+    def measured(ours, theirs, bare=1000.0):
+        return {"point": ("linear", 64, 8), "ok": True, "rows": {
+            "olmo_tda": {"ok": True, "examples_per_s": ours, "bare_pass_examples_per_s": bare,
+                         "bytes_per_example": 3376.0, "spearman": 0.5, "influence_spearman": 0.4},
+            "dattri_llm": {"ok": True, "examples_per_s": theirs, "throughput_ratio": ours / theirs,
+                           "overhead_ratio": 3.0, "bytes_per_example": 55509.0, "spearman": 0.45}}}
+    timed_out = sweep.run_point(("linear", 32, 4), ["dattri_llm"], 1, 0.01, tmp_path / "p.json", [])
+    assert not timed_out["ok"] and "timed out" in timed_out["error"]
+    missing_peer = {**measured(600, 300), "rows": {**measured(600, 300)["rows"], "dattri_llm": {
+        "ok": False, "error": "install: pip failed"}}}
+    pairs = [sweep.pair(r, "dattri_llm")
+             for r in (measured(600, 250), measured(540, 300, bare=570), timed_out, missing_peer)]
+    assert pairs[0]["ratio"] == pytest.approx(2.4) and pairs[0]["ours_of_bare"] == pytest.approx(0.6)
+    assert pairs[0]["peer_of_bare"] == pytest.approx(0.25) and pairs[0]["peer_influence"] is None
+    assert not pairs[2]["ok"] and not pairs[3]["ok"] and "dattri_llm: install: pip failed" in pairs[3]["error"]
+    text = "\n".join(sweep.table(pairs))
+    assert "| linear | 64 | 8 | dattri_llm | 600 | 250 | 2.40 | 4.00 | 0.60 | 0.25 | 3.0 | 3376 / 55509 " \
+           "| 0.500 / 0.450 | 0.400 / — |" in text
+    assert "failed: timed out after 0 s" in text and text.count("| failed:") == 2
+    s = sweep.summary(pairs)["dattri_llm"]
+    assert s == {"points": 2, "failed": 2, "min_ratio": pytest.approx(1.8), "median_ratio": pytest.approx(2.1),
+                 "at_least_2x": 1, "ceiling_below_2x": 1}
+    bad = subprocess.run([sys.executable, str(PEERS / "sweep.py"), "--points", "linear:64"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "bad point 'linear:64'" in bad.stderr

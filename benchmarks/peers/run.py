@@ -359,8 +359,12 @@ def main(argv=None) -> dict:
                            influence_settings=res.get("settings"))
         else:
             rows[s]["influence_error"] = res.get("error")
-    cmd = "python benchmarks/peers/run.py" + (" --quick" if args.quick else "") + \
-        (f" --arch {w.arch}" if w.arch != "linear" else "")
+    # the command that reproduces this table: every flag that changed the workload or the repeats
+    flags = [("--quick", args.quick), ("--systems", args.systems != ",".join(SYSTEMS) and args.systems),
+             ("--repeats", args.repeats), ("--n-train", args.n_train), ("--k", args.k),
+             ("--d-model", args.d_model), ("--seq-len", args.seq_len), ("--arch", w.arch != "linear" and w.arch)]
+    cmd = " ".join(["python benchmarks/peers/run.py",
+                    *(flag if value is True else f"{flag} {value}" for flag, value in flags if value)])
     result = {"rows": rows, "headline": headline(rows), "workload": asdict(w), "machine": machine(),
               "scored_layers": scored,
               "repeats": repeats, "seconds": time.perf_counter() - t0, "command": cmd}
