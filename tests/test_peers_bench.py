@@ -348,17 +348,21 @@ def test_sweep_parses_points_and_tabulates_its_pairs(tmp_path):
                            "overhead_ratio": 3.0, "bytes_per_example": 55509.0, "spearman": 0.45}}}
     timed_out = sweep.run_point(("linear", 32, 4), ["dattri_llm"], 1, 0.01, tmp_path / "p.json", [])
     assert not timed_out["ok"] and "timed out" in timed_out["error"]
+    refused = sweep.run_point(("linear", 32, 4), ["no_such_peer"], 1, 120, tmp_path / "q.json", [])
+    assert not refused["ok"] and "run.py exited 2" in refused["error"] and "no_such_peer" in refused["error"]
     missing_peer = {**measured(600, 300), "rows": {**measured(600, 300)["rows"], "dattri_llm": {
-        "ok": False, "error": "install: pip failed"}}}
+        "ok": False, "error": "install: pip failed | attr: crashed"}}}
     pairs = [sweep.pair(r, "dattri_llm")
              for r in (measured(600, 250), measured(540, 300, bare=570), timed_out, missing_peer)]
     assert pairs[0]["ratio"] == pytest.approx(2.4) and pairs[0]["ours_of_bare"] == pytest.approx(0.6)
     assert pairs[0]["peer_of_bare"] == pytest.approx(0.25) and pairs[0]["peer_influence"] is None
     assert not pairs[2]["ok"] and not pairs[3]["ok"] and "dattri_llm: install: pip failed" in pairs[3]["error"]
     text = "\n".join(sweep.table(pairs))
+    cells = {line.replace("\\|", "").count("|") for line in text.splitlines()}
+    assert cells == {15}, text                            # every row, failed or not, has the header's 14 columns
     assert "| linear | 64 | 8 | dattri_llm | 600 | 250 | 2.40 | 4.00 | 0.60 | 0.25 | 3.0 | 3376 / 55509 " \
            "| 0.500 / 0.450 | 0.400 / — |" in text
-    assert "failed: timed out after 0 s" in text and text.count("| failed:") == 2
+    assert "failed: timed out after 0.01 s" in text and text.count("| failed:") == 2
     s = sweep.summary(pairs)["dattri_llm"]
     assert s == {"points": 2, "failed": 2, "min_ratio": pytest.approx(1.8), "median_ratio": pytest.approx(2.1),
                  "at_least_2x": 1, "ceiling_below_2x": 1}

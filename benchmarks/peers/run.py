@@ -360,7 +360,8 @@ def main(argv=None) -> dict:
         else:
             rows[s]["influence_error"] = res.get("error")
     # the command that reproduces this table: every flag that changed the workload or the repeats
-    flags = [("--quick", args.quick), ("--systems", args.systems != ",".join(SYSTEMS) and args.systems),
+    requested = ",".join(s.strip() for s in args.systems.split(",") if s.strip())
+    flags = [("--quick", args.quick), ("--systems", requested != ",".join(SYSTEMS) and requested),
              ("--repeats", args.repeats), ("--n-train", args.n_train), ("--k", args.k),
              ("--d-model", args.d_model), ("--seq-len", args.seq_len), ("--arch", w.arch != "linear" and w.arch)]
     cmd = " ".join(["python benchmarks/peers/run.py",

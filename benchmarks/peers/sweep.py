@@ -1,6 +1,6 @@
 """Does the margin over dattri-llm hold away from the peers table's one point (d_model 64, k = 8)?
 
-    python benchmarks/peers/sweep.py                          # the default grid, ~25 min on 2 cores
+    python benchmarks/peers/sweep.py                          # the default grid, ~15 min on 2 cores
     python benchmarks/peers/sweep.py --points linear:64:8,olmo:128:32 --peers dattri_llm,logix
 
 Each point ``arch:d_model:k`` is one ``run.py --systems olmo_tda,<peers> --arch A --d-model D --k K``
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from workload import ARCHS  # noqa: E402
+from workload import ARCHS, Workload  # noqa: E402
 
 DEFAULT_POINTS = "linear:64:16,linear:64:32,linear:128:8,linear:128:32,olmo:64:32,olmo:128:8"
 TARGET = 2.0     # issue 8: at least 2x dattri-llm's per-example gradient throughput at the same k
@@ -41,8 +43,9 @@ def parse_points(text: str) -> list[tuple[str, int, int]]:
             raise ValueError(f"bad point {item!r}: expected arch:d_model:k with arch in {ARCHS} and positive "
                              "integers, e.g. linear:64:16")
         arch, d_model, k = parts[0], int(parts[1]), int(parts[2])
-        if d_model % 4:
-            raise ValueError(f"bad point {item!r}: d_model must be a multiple of the workload's 4 heads")
+        heads = Workload().n_heads
+        if d_model % heads:
+            raise ValueError(f"bad point {item!r}: d_model must be a multiple of the workload's {heads} heads")
         points.append((arch, d_model, k))
     if not points:
         raise ValueError("no points given")
@@ -57,17 +60,26 @@ def run_point(point: tuple[str, int, int], peers: list[str], repeats: int, timeo
            "--repeats", str(repeats), "--arch", arch, "--d-model", str(d_model), "--k", str(k),
            "--out", str(out), *extra]
     t0 = time.perf_counter()
+    # its own process group, so a timeout also stops the workers run.py started: none may go on
+    # competing for the cores while the next point is timed
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"point": point, "ok": False, "error": f"timed out after {timeout:.0f} s", "seconds": timeout}
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {"point": point, "ok": False, "error": f"timed out after {timeout:g} s",
+                "seconds": time.perf_counter() - t0}
     seconds = time.perf_counter() - t0
     if proc.returncode != 0 or not out.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
         return {"point": point, "ok": False, "error": f"run.py exited {proc.returncode}: {tail[0]}",
                 "seconds": seconds}
-    full = json.loads(out.read_text())
-    return {"point": point, "ok": True, "rows": full["rows"], "seconds": seconds}
+    try:
+        rows = json.loads(out.read_text())["rows"]
+    except (ValueError, KeyError) as e:
+        return {"point": point, "ok": False, "error": f"run.py's result {out} is unreadable: {e}", "seconds": seconds}
+    return {"point": point, "ok": True, "rows": rows, "seconds": seconds}
 
 
 def pair(result: dict, peer: str) -> dict:
@@ -106,7 +118,8 @@ def table(pairs: list[dict]) -> list[str]:
     for p in pairs:
         head = f"| {p['arch']} | {p['d_model']} | {p['k']} | {p['peer']} "
         if not p["ok"]:
-            lines.append(head + f"| failed: {p['error']} |" + " |" * 9)
+            error = str(p["error"]).replace("|", "\\|")        # run.py joins worker errors with " | "
+            lines.append(head + f"| failed: {error} |" + " |" * 9)
             continue
         lines.append(head + f"| {p['ours_ex_s']:.0f} | {p['peer_ex_s']:.0f} | {p['ratio']:.2f} "
                      f"| {_f(p['ceiling'], '.2f')} "
@@ -146,13 +159,17 @@ def main(argv=None) -> dict:
         points = parse_points(args.points)
     except ValueError as e:
         p.error(str(e))
-    peers = [s.strip() for s in args.peers.split(",") if s.strip()]
+    peers = list(dict.fromkeys(s.strip() for s in args.peers.split(",") if s.strip()))
     import run as peers_run               # the known systems
     unknown = [s for s in peers if s not in peers_run.SYSTEMS or s in peers_run.OUR_ROWS]
     if unknown or not peers:
         p.error(f"--peers: unknown {unknown or '(none given)'}; known: {', '.join(peers_run.venvs.PEERS)}")
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.n_train is not None and args.n_train < 1:
+        p.error(f"--n-train must be >= 1, got {args.n_train}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     extra = ["--n-train", str(args.n_train)] if args.n_train else []
     t0 = time.perf_counter()
     pairs = []
