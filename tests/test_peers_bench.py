@@ -360,7 +360,7 @@ def test_sweep_parses_points_and_tabulates_its_pairs(tmp_path):
     text = "\n".join(sweep.table(pairs))
     cells = {line.replace("\\|", "").count("|") for line in text.splitlines()}
     assert cells == {15}, text                            # every row, failed or not, has the header's 14 columns
-    assert "| linear | 64 | 8 | dattri_llm | 600 | 250 | 2.40 | 4.00 | 0.60 | 0.25 | 3.0 | 3376 / 55509 " \
+    assert "| linear | 64 | 8 | dattri_llm | 600 | 250 | 2.400 | 4.00 | 0.60 | 0.25 | 3.0 | 3376 / 55509 " \
            "| 0.500 / 0.450 | 0.400 / — |" in text
     assert "failed: timed out after 0.01 s" in text and text.count("| failed:") == 2
     s = sweep.summary(pairs)["dattri_llm"]

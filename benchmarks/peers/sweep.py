@@ -121,7 +121,8 @@ def table(pairs: list[dict]) -> list[str]:
             error = str(p["error"]).replace("|", "\\|")        # run.py joins worker errors with " | "
             lines.append(head + f"| failed: {error} |" + " |" * 9)
             continue
-        lines.append(head + f"| {p['ours_ex_s']:.0f} | {p['peer_ex_s']:.0f} | {p['ratio']:.2f} "
+        # three decimals: a 1.996 must not print as a 2.00 that met the target
+        lines.append(head + f"| {p['ours_ex_s']:.0f} | {p['peer_ex_s']:.0f} | {p['ratio']:.3f} "
                      f"| {_f(p['ceiling'], '.2f')} "
                      f"| {_f(p['ours_of_bare'], '.2f')} | {_f(p['peer_of_bare'], '.2f')} "
                      f"| {_f(p['overhead_ratio'], '.1f')} "
