@@ -28,6 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import run as peers_run  # noqa: E402  (its systems, and its number format: fmt)
 from workload import ARCHS, Workload  # noqa: E402
 
 DEFAULT_POINTS = "linear:64:16,linear:64:32,linear:128:8,linear:128:32,olmo:64:32,olmo:128:8"
@@ -107,10 +108,6 @@ def pair(result: dict, peer: str) -> dict:
             "ours_influence": ours.get("influence_spearman"), "peer_influence": theirs.get("influence_spearman")}
 
 
-def _f(x, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
-
-
 def table(pairs: list[dict]) -> list[str]:
     lines = ["| model | d_model | k | peer | ours ex/s | peer ex/s | ours × | ceiling × | ours / bare | peer / bare "
              "| overhead, theirs / ours | bytes/ex ours / peer | Spearman ours / peer | influence ours / peer |",
@@ -123,12 +120,12 @@ def table(pairs: list[dict]) -> list[str]:
             continue
         # three decimals: a 1.996 must not print as a 2.00 that met the target
         lines.append(head + f"| {p['ours_ex_s']:.0f} | {p['peer_ex_s']:.0f} | {p['ratio']:.3f} "
-                     f"| {_f(p['ceiling'], '.2f')} "
-                     f"| {_f(p['ours_of_bare'], '.2f')} | {_f(p['peer_of_bare'], '.2f')} "
-                     f"| {_f(p['overhead_ratio'], '.1f')} "
-                     f"| {_f(p['ours_bytes'], '.0f')} / {_f(p['peer_bytes'], '.0f')} "
-                     f"| {_f(p['ours_spearman'], '.3f')} / {_f(p['peer_spearman'], '.3f')} "
-                     f"| {_f(p['ours_influence'], '.3f')} / {_f(p['peer_influence'], '.3f')} |")
+                     f"| {peers_run.fmt(p['ceiling'], '.2f')} "
+                     f"| {peers_run.fmt(p['ours_of_bare'], '.2f')} | {peers_run.fmt(p['peer_of_bare'], '.2f')} "
+                     f"| {peers_run.fmt(p['overhead_ratio'], '.1f')} "
+                     f"| {peers_run.fmt(p['ours_bytes'], '.0f')} / {peers_run.fmt(p['peer_bytes'], '.0f')} "
+                     f"| {peers_run.fmt(p['ours_spearman'], '.3f')} / {peers_run.fmt(p['peer_spearman'], '.3f')} "
+                     f"| {peers_run.fmt(p['ours_influence'], '.3f')} / {peers_run.fmt(p['peer_influence'], '.3f')} |")
     return lines
 
 
@@ -161,7 +158,6 @@ def main(argv=None) -> dict:
     except ValueError as e:
         p.error(str(e))
     peers = list(dict.fromkeys(s.strip() for s in args.peers.split(",") if s.strip()))
-    import run as peers_run               # the known systems
     unknown = [s for s in peers if s not in peers_run.SYSTEMS or s in peers_run.OUR_ROWS]
     if unknown or not peers:
         p.error(f"--peers: unknown {unknown or '(none given)'}; known: {', '.join(peers_run.venvs.PEERS)}")

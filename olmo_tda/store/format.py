@@ -103,13 +103,11 @@ def torch_dtype(dtype: StoreDType) -> torch.dtype:
 
 def encode_grads(grads_NOI: torch.Tensor, dtype: StoreDType) -> np.ndarray:
     """float tensor ``[N, k_out, k_in]`` (CPU) → numpy in the store's on-disk words."""
-    dtype = StoreDType(dtype)
-    if dtype is StoreDType.FLOAT32:
-        return grads_NOI.to(torch.float32).contiguous().numpy()
-    if dtype is StoreDType.FLOAT16:
-        return grads_NOI.to(torch.float16).contiguous().numpy()
-    # bfloat16: numpy has no bf16, so keep torch's rounding and store the raw 16-bit words
-    return grads_NOI.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+    cast = grads_NOI.to(torch_dtype(dtype)).contiguous()
+    if StoreDType(dtype) is StoreDType.BFLOAT16:
+        # numpy has no bf16, so keep torch's rounding and store the raw 16-bit words
+        return cast.view(torch.int16).numpy().view(np.uint16)
+    return cast.numpy()
 
 
 def decode_grads(words: np.ndarray, dtype: StoreDType) -> torch.Tensor:

@@ -32,13 +32,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..config import StoreDType, TrajectoryConfig, TrajectoryRetention, TrajectorySchedule
+from ..store.format import torch_dtype
 
 __all__ = ["Trajectory", "TrajectoryCheckpoint", "TrajectoryError"]
 
 log = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {StoreDType.FLOAT32: torch.float32, StoreDType.FLOAT16: torch.float16,
-                 StoreDType.BFLOAT16: torch.bfloat16}
 
 
 class TrajectoryError(RuntimeError):
@@ -139,7 +137,7 @@ class Trajectory:
         """Write one checkpoint atomically (tmp dir, fsync, rename), then apply the retention."""
         from safetensors.torch import save_file
 
-        dtype = _TORCH_DTYPES[StoreDType(self.config.dtype)]
+        dtype = torch_dtype(self.config.dtype)
         final = self.path / _dirname(step)
         tmp = self.path / (_dirname(step) + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
