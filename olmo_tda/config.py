@@ -267,8 +267,9 @@ class StoreConfig:
     flush_mb: float = 1024.0
     """A window is also written once its encoded rows reach this many MB, even inside one step (a
     post-hoc capture appends every example at one step), so however large a step is, the writer
-    holds about this much (twice while a shard is built in memory) and a crash loses at most this
-    much. A failing disk keeps the window in memory, growing, until a write succeeds."""
+    holds about this much (its window buffers, kept between windows; with ``compression`` up to
+    twice that while a shard is built) and a crash loses at most this much. A failing disk keeps the
+    window in memory, growing, until a write succeeds."""
     queue_size: int = 8
     """Records the background writer may hold before the training step waits (back-pressure)."""
     compression: str | None = None

@@ -171,15 +171,21 @@ def test_store_read_runs(tmp_path):
 
 
 def test_store_append_runs(tmp_path):
-    res = _last_json("store_append.py", "--n", "320", "--rounds", "1", "--work-dir", str(tmp_path))
+    res = _last_json("store_append.py", "--n", "320", "--rounds", "1", "--k", "12", "--peak-mb", "8",
+                     "--work-dir", str(tmp_path))
     assert res["benchmark"] == "store_append" and res["rows"] == [320, 1280]
+    assert res["k"] == 12 and res["row_bytes"] == 9 * 12 * 12 * 4
     # the one-step layout closes windows by flush_mb: as many shards as the per-step one
     assert res["shards"] == {"per_step@320": 1, "one_step@320": 1, "per_step@1280": 3, "one_step@1280": 3}
     assert res["one_step_scaling"] > 0 and res["one_step_over_per_step"] > 0
+    assert set(res["cpu_us_per_row"]) == set(res["rows_per_s"]) and min(res["cpu_us_per_row"].values()) > 0
+    assert res["peak_mb"] == 8 and res["peak_rss_over_window"] > 0
     assert not any(tmp_path.iterdir())                                   # stores removed
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_append.py"), "--n", "10"],
-                         capture_output=True, text=True)
-    assert out.returncode != 0 and "--n must be a positive multiple of 16" in out.stderr
+    for bad, message in ((["--n", "10"], "--n must be a positive multiple of 16"), (["--k", "0"], "--k must be >= 1"),
+                         (["--peak-mb", "0"], "--peak-mb must be > 0")):
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_append.py"), *bad],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and message in out.stderr
 
 
 def test_routing_runs():

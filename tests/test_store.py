@@ -170,6 +170,121 @@ def test_compressed_round_trip_is_bitwise(tmp_path, compression):
     assert store.num_rows == 20
 
 
+def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memory(tmp_path, monkeypatch):
+    """Windows after the first are encoded into the same buffers (no growth), and of each shard
+    only libhdf5's structure is built in memory: the rows go from the window to the file."""
+    from olmo_tda.store import format as format_module
+
+    structures = []
+
+    class Spy(format_module._StructureFile):
+        def __init__(self):
+            super().__init__()
+            structures.append(self)
+
+    monkeypatch.setattr(format_module, "_StructureFile", Spy)
+    layers = [{"name": f"l{i}", "shape": [32, 32], "projector": {"seed": 0}} for i in range(3)]
+    meta = {**META, "layers": layers}
+    records = random_records(range(12), rows_per_step=40, layers=layers)
+    with GradientStore.create(tmp_path / "s", meta, StoreConfig(flush_every=4)) as w:
+        capacities = []
+        for r in records:
+            w.append(r)
+            w.flush() if r.step % 4 == 3 else None
+            capacities.append(w._window.capacity)
+    assert capacities[3:] == [capacities[3]] * 9, capacities       # grown in the first window only
+    store = GradientStore.open(tmp_path / "s")
+    assert len(store.shards) == 3 and len(structures) == 3
+    for spy, shard in zip(structures, store.shards):
+        in_memory = sum(len(piece) for _, piece in spy.pieces)
+        assert shard.bytes == spy.size == (tmp_path / "s" / shard.file).stat().st_size
+        assert in_memory < 16 << 10 < shard.bytes // 8, (in_memory, shard.bytes)
+    block, want = store.read_all(), expected_rows(records)
+    rows = rows_of(block)
+    assert set(rows) == set(want)
+    for key, (lr, scale, grads) in want.items():
+        for name, g in grads.items():
+            assert torch.equal(block.grads[name][rows[key]], g), (key, name)
+
+
+_PEAK_CHILD = """
+import resource, sys
+import numpy as np, torch
+from olmo_tda.config import StoreConfig
+from olmo_tda.store import GradientRecord, GradientStore
+layers = [{"name": f"l{i}", "shape": [32, 32], "projector": {"seed": 0}} for i in range(6)]
+meta = {"capture": {}, "projector_hash": "peak", "layers": layers}
+grads = {layer["name"]: torch.randn(64, 32, 32) for layer in layers}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with GradientStore.create(sys.argv[1], meta, StoreConfig()) as w:
+    for r in range(int(sys.argv[2])):
+        w.append(GradientRecord(ids=np.arange(r * 64, (r + 1) * 64), step=0, lr=0.1, loss_scale=1.0, grads=grads))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_writing_a_window_holds_little_beyond_the_window(tmp_path):
+    """Peak resident memory of a fresh process while one 48 MiB post-hoc window is encoded and written
+    stays near the window: no in-memory image of the shard, no joined copy (2.1x before 2026-12-02)."""
+    records = 32
+    window = records * 64 * 6 * 32 * 32 * 4
+    out = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tmp_path / "s"), str(records)],
+                         capture_output=True, text=True, check=True)
+    grown = int(out.stdout.split()[-1])
+    assert GradientStore.open(tmp_path / "s").num_rows == records * 64
+    assert grown < 1.4 * window, grown / window
+
+
+def test_short_pwrites_still_write_the_whole_shard(tmp_path, monkeypatch):
+    """``pwrite`` may write less than asked: a shard written 4093 bytes a call is byte-identical."""
+    from olmo_tda.store import format as format_module
+
+    records = random_records(range(3), rows_per_step=50)
+    write_store(tmp_path / "whole", records)
+    real = os.pwrite
+    calls = []
+
+    def short_pwrite(fd, data, offset):
+        calls.append(len(data))
+        return real(fd, memoryview(data)[:4093], offset)
+
+    monkeypatch.setattr(format_module.os, "pwrite", short_pwrite)
+    write_store(tmp_path / "short", records)
+    assert max(calls) > 4093
+    a, b = sorted((tmp_path / "whole" / "shards").iterdir()), sorted((tmp_path / "short" / "shards").iterdir())
+    assert [f.name for f in a] == [f.name for f in b] and all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
+
+
+def test_structure_file_reads_back_what_was_written_like_a_real_file(tmp_path):
+    """libhdf5's in-memory file: random writes (overlapping, past the end), reads and truncations
+    give what the same calls give on a real file."""
+    from olmo_tda.store.format import _StructureFile
+
+    rng = random.Random(3)
+    ours = _StructureFile()
+    with open(tmp_path / "real", "w+b") as real:
+        for _ in range(400):
+            op = rng.random()
+            pos = rng.randrange(0, 3000)
+            if op < 0.5:
+                data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+                for f in (ours, real):
+                    f.seek(pos)
+                    f.write(data)
+            elif op < 0.9:
+                size = rng.randrange(0, 400)
+                got = (ours.seek(pos), ours.read(size))[1]
+                want = (real.seek(pos), real.read(size))[1]
+                # a read past the end: a file returns less; libhdf5 never asks for it (it knows the EOA)
+                assert got[:len(want)] == want and (len(got) == len(want) or pos + size > ours.size)
+            else:
+                size = rng.randrange(0, 3500)
+                ours.truncate(size)
+                real.truncate(size)
+            real.seek(0, 2)
+            assert ours.seek(0, 2) == real.tell() == ours.tell()
+
+
 def test_step_and_id_filters_match_brute_force(tmp_path):
     records = random_records(range(6), rows_per_step=4)
     store = write_store(tmp_path / "s", records, flush_every=4)
@@ -1021,14 +1136,19 @@ def test_cuda_and_mixed_device_records_store_the_bytes_of_their_cpu_copies(tmp_p
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_layers_of_different_float_dtypes_are_encoded_as_each_alone(tmp_path, dtype):
-    """A record's layers are joined into one tensor before encoding (float promotion): each layer's
-    stored words must still be what encoding that layer alone gives."""
+    """Layers of different float dtypes in one record (a GPU record is joined into one tensor before
+    its copy to the host, which promotes): each layer's stored words are what encoding it alone gives."""
     from olmo_tda.store.format import decode_grads, encode_grads
 
-    r = random_records([0], seed=22)[0]
-    r.grads[LAYERS[0]] = r.grads[LAYERS[0]].to(torch.bfloat16)
-    r.grads[LAYERS[1]] = r.grads[LAYERS[1]].to(torch.float16)
-    block = write_store(tmp_path / "s", [r], dtype=dtype).read_all()
-    for name in LAYERS:
-        want = decode_grads(encode_grads(r.grads[name], StoreDType(dtype)), StoreDType(dtype))
-        assert torch.equal(block.grads[name], want), name
+    for first, second in ((torch.bfloat16, torch.float16), (torch.float64, torch.float32)):
+        r = random_records([0], seed=22)[0]
+        g = r.grads[LAYERS[0]].double()
+        # just above float16's and bfloat16's rounding midpoints above 1, where a cast through float32
+        # and a direct one differ: the store must give what torch's own cast gives
+        g.view(-1)[:2] = torch.tensor([1 + 2 ** -11 + 2 ** -40, 1 + 2 ** -8 + 2 ** -40], dtype=torch.float64)
+        r.grads[LAYERS[0]] = g.to(first)
+        r.grads[LAYERS[1]] = r.grads[LAYERS[1]].to(second)
+        block = write_store(tmp_path / f"s-{first}", [r], dtype=dtype).read_all()
+        for name in LAYERS:
+            want = decode_grads(encode_grads(r.grads[name], StoreDType(dtype)), StoreDType(dtype))
+            assert torch.equal(block.grads[name], want), (first, name)

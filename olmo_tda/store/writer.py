@@ -1,17 +1,19 @@
 """The write side of a gradient store: an append-only writer with one background I/O thread.
 
 The training thread only validates a record's layer names/shapes and enqueues it (a bounded queue:
-when the writer falls behind, ``append`` blocks instead of memory growing). The writer thread moves
-tensors to CPU, encodes them in the store dtype, drops non-finite and duplicate rows, buffers a
-window of ``flush_every`` distinct steps (or ``flush_mb`` of rows, whichever comes first: one step
-may span shards) and writes it as one shard (see :mod:`.format`).
+when the writer falls behind, ``append`` blocks instead of memory growing). The writer thread
+encodes each record in the store dtype straight into the window's buffers (moving it off the GPU
+first), drops non-finite and duplicate rows, and once the window holds ``flush_every`` distinct steps
+(or ``flush_mb`` of rows, whichever comes first: one step may span shards) writes it as one shard
+from those buffers (see :mod:`.format`).
 
 Failures in the thread are raised in the caller at its next ``append``/``flush``/``close`` as
 :class:`StoreWriteError`. A failed shard write removes its temp file and keeps the window in memory,
 so the next flush retries it; shards already durable are never touched by a failing write.
 
-Memory held: at most ``queue_size`` records in the queue + one window (at most ``flush_every``
-steps and about ``flush_mb`` MB of encoded rows) + 8 bytes per id stored at the step being appended.
+Memory held: at most ``queue_size`` records in the queue + the window's buffers (sized by the largest
+window so far, at most ``flush_every`` steps or about ``flush_mb`` MB of encoded rows, and kept between
+windows) + 8 bytes per id stored at the step being appended.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from .format import (
     STORE_JSON,
     ShardInfo,
     commit_shard,
-    encode_grads,
+    disk_dtype,
+    finite_words,
     fsync_dir,
-    nonfinite_rows,
     stored_shape,
     open_h5,
     torch_dtype,
     prepare_shard,
     write_json_atomic,
+    words_as_torch,
     write_shard,
 )
 from .keys import KeyIndex, StepKeys
@@ -57,6 +60,7 @@ __all__ = ["StoreWriter", "NonFiniteGradientWarning"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often a blocked caller re-checks that the writer thread is still alive
+_NUMPY_FLOATS = (torch.float32, torch.float16)  # record dtypes the writer casts with numpy
 
 
 class NonFiniteGradientWarning(RuntimeWarning):
@@ -92,10 +96,10 @@ class StoreWriter:
         self._state = states.get(rank) or RankState(rank=rank)
         self._other_shards = [s for r, st in states.items() if r != rank for s in st.shards.values()]
         self._index = KeyIndex(root, [*self._state.shards.values(), *self._other_shards])
-        # window buffer: one chunk per ingested record (rows kept), owned by the writer thread
-        self._chunks: list[dict[str, Any]] = []
+        # the window's rows (owned by the writer thread) and the ids they hold per step
+        self._window = _Window([stored_shape(layer) for layer in store_meta["layers"]], disk_dtype(self.dtype))
         self._window_keys: dict[int, list[np.ndarray]] = {}
-        self._window_bytes = 0
+        self._finite: np.ndarray | None = None     # per-record scratch of _encode_into
         self._step_keys: StepKeys | None = None   # ids held at the step last appended to
         self._window_nonfinite: list[tuple[int, np.ndarray]] = []
         self._manifest_dirty = False
@@ -244,7 +248,7 @@ class StoreWriter:
         with self._mutex:
             out = dict(self._state.counters)
         out["shards"] = len(self._state.shards)
-        out["buffered_rows"] = sum(len(c["ids"]) for c in list(self._chunks))
+        out["buffered_rows"] = self._window.rows
         out["buffered_steps"] = len(self._window_keys)
         return out
 
@@ -292,7 +296,7 @@ class StoreWriter:
                     self._fail(e, f"ingesting the record of step {item.step}", retryable=False)
                     continue
                 if len(self._window_keys) >= self._config.flush_every \
-                        or self._window_bytes >= self._config.flush_mb * 2 ** 20:
+                        or self._window.nbytes >= self._config.flush_mb * 2 ** 20:
                     try:
                         self._write_window()
                     except Exception as e:  # noqa: BLE001
@@ -324,7 +328,7 @@ class StoreWriter:
     def _wrap(self, exc: Exception, what: str) -> StoreWriteError:
         if isinstance(exc, StoreWriteError):
             return exc
-        rows = sum(len(c["ids"]) for c in self._chunks)
+        rows = self._window.rows
         kept = (f"; {rows} buffered rows of {len(self._window_keys)} steps are kept in memory and the "
                 "next flush retries them") if rows else ""
         error = StoreWriteError(f"gradient store {self.path} (rank {self.rank}): {what}: "
@@ -333,9 +337,12 @@ class StoreWriter:
         return error
 
     def _ingest(self, record: GradientRecord) -> None:
-        """Encode one record, drop duplicate and non-finite rows, add the rest to the window."""
+        """Encode one record into the window, then drop its duplicate and non-finite rows there."""
         step, ids = record.step, record.ids
-        words, bad = self._encode(record)
+        window = self._window
+        lo = window.rows
+        window.reserve(len(ids))
+        bad = self._encode_into(record, lo)
         # duplicates: repeats inside the record, then keys already stored or already in the window
         first = np.zeros(len(ids), dtype=bool)
         first[np.unique(ids, return_index=True)[1]] = True
@@ -357,34 +364,47 @@ class StoreWriter:
             self._window_nonfinite.append((step, ids[bad]))
         if not keep.any():
             return
-        loss_scale = np.broadcast_to(np.asarray(record.loss_scale, dtype=np.float64), ids.shape)
-        if not keep.all():
-            ids, words, loss_scale = ids[keep], [w[keep] for w in words], loss_scale[keep]
-        n = len(ids)
-        self._chunks.append({"ids": ids, "steps": np.full(n, step, dtype=np.int64),
-                             "lr": np.full(n, record.lr), "loss_scale": np.ascontiguousarray(loss_scale),
-                             "grads": words})
+        ids = ids[keep] if not keep.all() else ids
+        window.commit(lo, keep, ids, step, record.lr, record.loss_scale)
         self._window_keys.setdefault(step, []).append(ids)
-        self._window_bytes += sum(w.nbytes for w in words)
         self._step_keys.add(ids)
 
-    def _encode(self, record: GradientRecord) -> tuple[list[np.ndarray], np.ndarray]:
-        """Each layer's rows in the store's words (views into one array), and which rows hold a
-        NaN/inf once encoded. The layers are cast to the store's dtype where they are (a 16-bit
-        store moves half the bytes; the rounding is the same) and joined into one ``[N, Σ]`` tensor,
-        so a GPU record costs one device-to-host copy, and every record one finiteness check, not
-        one of each per layer. (On CPU the writer's time per record is within noise of per-layer
-        encoding: 150–330 µs for 13 layers of 16×8×8.)"""
+    def _encode_into(self, record: GradientRecord, lo: int) -> np.ndarray:
+        """Write each layer's rows, in the store's words, into the window from row ``lo`` (one copy
+        that also casts); return which rows hold a NaN/inf once encoded (float16 overflow counts).
+        A record on a GPU is cast there and joined into one ``[N, Σ]`` tensor first, so it costs one
+        device-to-host copy, not one per layer."""
+        n = len(record.ids)
         rows = [_rows(record.grads[name]) for name in self.layers]
-        flat = [r.reshape(len(record.ids), -1).to(self._torch_dtype) for r in rows]
-        if len({f.device for f in flat}) > 1:
-            flat = [f.to("cpu") for f in flat]
-        words = encode_grads(torch.cat(flat, dim=1).to("cpu"), self.dtype)
-        out, col = [], 0
-        for r, f in zip(rows, flat):
-            out.append(words[:, col:col + f.shape[1]].reshape(r.shape))
-            col += f.shape[1]
-        return out, nonfinite_rows(words, self.dtype)
+        if any(r.device.type != "cpu" for r in rows):
+            flat = [r.reshape(n, -1).to(self._torch_dtype) for r in rows]
+            if len({f.device for f in flat}) > 1:
+                flat = [f.to("cpu") for f in flat]
+            parts = torch.split(torch.cat(flat, dim=1).to("cpu"), [f.shape[1] for f in flat], dim=1)
+            rows = [part.reshape(r.shape) for part, r in zip(parts, rows)]
+        # numpy casts float32/float16 to float32/float16 words (rounding as torch does) in half the time
+        # of torch's copy_ at these sizes. Each layer's finiteness goes into its columns of one [N, Σ]
+        # mask, so a record costs one row reduction (one per layer took as long as the copies).
+        numpy_cast = self.dtype is not StoreDType.BFLOAT16
+        finite = self._finite_scratch(n)
+        col = 0
+        with np.errstate(over="ignore"):        # a float16 overflow is counted as non-finite, not warned
+            for r, buf in zip(rows, self._window.grads):
+                words = buf[lo:lo + n]
+                if numpy_cast and r.dtype in _NUMPY_FLOATS:
+                    np.copyto(words, r.numpy())
+                else:                                 # to bfloat16, or from bfloat16/float64: torch casts
+                    words_as_torch(words, self.dtype).copy_(r)
+                flat = words.reshape(n, -1)                           # a view: the window is C-ordered
+                finite_words(flat, self.dtype, out=finite[:, col:col + flat.shape[1]])
+                col += flat.shape[1]
+        return ~finite.all(axis=1)
+
+    def _finite_scratch(self, n: int) -> np.ndarray:
+        """A bool ``[n, Σ]`` scratch mask (Σ: the words of one row over all layers), reused."""
+        if self._finite is None or len(self._finite) < n:
+            self._finite = np.empty((n, self._window.row_bytes // np.dtype(disk_dtype(self.dtype)).itemsize), bool)
+        return self._finite[:n]
 
     def _keys_at(self, step: int) -> StepKeys:
         """The ids held at ``step`` (durable or in the window), rebuilt only when the step changes."""
@@ -395,16 +415,17 @@ class StoreWriter:
 
     def _write_window(self) -> ShardInfo | None:
         info = None
-        if self._chunks:
+        if self._window.rows:
             seq = self._state.next_seq
-            info = write_shard(self.path, self.rank, seq, self._chunks, len(self.layers), self.dtype,
+            info = write_shard(self.path, self.rank, seq, [self._window.chunk()], len(self.layers), self.dtype,
                                self._config.compression)
             with self._mutex:
                 self._state.shards[seq] = info
                 self._state.next_seq = seq + 1
                 self._state.counters["rows_written"] += info.num_rows
             self._index.add(info, {s: np.unique(np.concatenate(v)) for s, v in self._window_keys.items()})
-            self._chunks, self._window_keys, self._window_bytes = [], {}, 0
+            self._window.clear()
+            self._window_keys = {}
             self._manifest_dirty = True
             self._warn_nonfinite(info)
         if self._manifest_dirty:
@@ -429,15 +450,7 @@ class StoreWriter:
                       f"before {info.file}{hint}", NonFiniteGradientWarning, stacklevel=2)
 
     def _truncate(self, step: int) -> int:
-        dropped = 0
-        kept_chunks = []
-        for chunk in self._chunks:  # one step per chunk
-            if chunk["steps"][0] > step:
-                dropped += len(chunk["ids"])
-            else:
-                kept_chunks.append(chunk)
-        self._chunks = kept_chunks
-        self._window_bytes = sum(w.nbytes for chunk in kept_chunks for w in chunk["grads"])
+        dropped = self._window.drop_steps_after(step)
         self._window_keys = {s: v for s, v in self._window_keys.items() if s <= step}
         self._step_keys = None
         self._window_nonfinite = [(s, i) for s, i in self._window_nonfinite if s <= step]
@@ -478,6 +491,79 @@ class StoreWriter:
             logger.info("gradient store %s: rank %d truncated after step %d: %d rows dropped",
                         self.path, self.rank, step, dropped)
         return dropped
+
+
+class _Window:
+    """The rows of the window being filled: growable buffers, one per layer in the store's words and
+    one per row field, into which records are encoded directly. They are reused from window to
+    window, so a flush joins nothing and the pages stay mapped (on the 2-core VM of
+    ``docs/BENCHMARKS.md`` touching fresh pages cost about what the copy into them did). Memory held:
+    the largest window so far (capacity grows by doubling; untouched capacity is not resident)."""
+
+    def __init__(self, row_shapes: list[tuple[int, int]], words: type):
+        self.rows = 0
+        self.capacity = 0
+        self.grads = [np.empty((0, *shape), dtype=words) for shape in row_shapes]
+        self.ids = np.empty(0, dtype=np.int64)
+        self.steps = np.empty(0, dtype=np.int64)
+        self.lr = np.empty(0, dtype=np.float64)
+        self.loss_scale = np.empty(0, dtype=np.float64)
+        self.row_bytes = sum(int(np.prod(g.shape[1:])) * g.itemsize for g in self.grads)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def _fields(self) -> list[np.ndarray]:
+        return [*self.grads, self.ids, self.steps, self.lr, self.loss_scale]
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more rows after ``rows``."""
+        need = self.rows + n
+        if need <= self.capacity:
+            return
+        capacity = max(need, 2 * self.capacity, 64)
+        grown = []
+        for old in self._fields():
+            new = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+            new[:self.rows] = old[:self.rows]
+            grown.append(new)
+        *self.grads, self.ids, self.steps, self.lr, self.loss_scale = grown
+        self.capacity = capacity
+
+    def commit(self, lo: int, keep: np.ndarray, ids: np.ndarray, step: int, lr: float,
+               loss_scale: float | np.ndarray) -> None:
+        """Make the rows encoded at ``lo`` part of the window, keeping those in ``keep`` (in order);
+        ``ids`` are the kept rows' ids. Must follow :meth:`reserve` and the encoding."""
+        n = int(keep.sum())
+        if n != len(keep):
+            for buf in self.grads:
+                buf[lo:lo + n] = buf[lo:lo + len(keep)][keep]
+        scale = np.broadcast_to(np.asarray(loss_scale, dtype=np.float64), keep.shape)
+        self.ids[lo:lo + n] = ids
+        self.steps[lo:lo + n] = step
+        self.lr[lo:lo + n] = lr
+        self.loss_scale[lo:lo + n] = scale[keep]
+        self.rows = lo + n
+
+    def chunk(self) -> dict[str, Any]:
+        """The window as one chunk of :func:`~.format.prepare_shard` (views, valid until the next change)."""
+        r = self.rows
+        return {"ids": self.ids[:r], "steps": self.steps[:r], "lr": self.lr[:r],
+                "loss_scale": self.loss_scale[:r], "grads": [g[:r] for g in self.grads]}
+
+    def drop_steps_after(self, step: int) -> int:
+        """Remove the rows of steps after ``step``; return how many."""
+        keep = self.steps[:self.rows] <= step
+        n = int(keep.sum())
+        if n != self.rows:
+            for buf in self._fields():
+                buf[:n] = buf[:self.rows][keep]
+        dropped, self.rows = self.rows - n, n
+        return dropped
+
+    def clear(self) -> None:
+        self.rows = 0
 
 
 def _rows(grads: "torch.Tensor | LowRank") -> "torch.Tensor":
