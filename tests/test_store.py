@@ -171,8 +171,8 @@ def test_compressed_round_trip_is_bitwise(tmp_path, compression):
 
 
 def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memory(tmp_path, monkeypatch):
-    """Windows after the first are encoded into the same buffers (no growth), and of each shard
-    only libhdf5's structure is built in memory: the rows go from the window to the file."""
+    """Windows after the first are encoded into the same buffers, and of each shard only libhdf5's
+    structure and the per-row fields are built in memory: the rows go from the window to the file."""
     from olmo_tda.store import format as format_module
 
     structures = []
@@ -186,13 +186,14 @@ def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memor
     layers = [{"name": f"l{i}", "shape": [32, 32], "projector": {"seed": 0}} for i in range(3)]
     meta = {**META, "layers": layers}
     records = random_records(range(12), rows_per_step=40, layers=layers)
+    buffers = []
     with GradientStore.create(tmp_path / "s", meta, StoreConfig(flush_every=4)) as w:
-        capacities = []
         for r in records:
             w.append(r)
-            w.flush() if r.step % 4 == 3 else None
-            capacities.append(w._window.capacity)
-    assert capacities[3:] == [capacities[3]] * 9, capacities       # grown in the first window only
+            if r.step % 4 == 3:
+                w.flush()
+                buffers.append([g.__array_interface__["data"][0] for seg in w._window.segments for g in seg.grads])
+    assert len(buffers[0]) > 3 and buffers == [buffers[0]] * 3        # 3 windows, the same buffers
     store = GradientStore.open(tmp_path / "s")
     assert len(store.shards) == 3 and len(structures) == 3
     for spy, shard in zip(structures, store.shards):
@@ -201,10 +202,30 @@ def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memor
         assert in_memory < 16 << 10 < shard.bytes // 8, (in_memory, shard.bytes)
     block, want = store.read_all(), expected_rows(records)
     rows = rows_of(block)
-    assert set(rows) == set(want)
+    assert set(rows) == set(want) and block.ids.tolist() == [i for r in records for i in r.ids.tolist()]
     for key, (lr, scale, grads) in want.items():
         for name, g in grads.items():
             assert torch.equal(block.grads[name][rows[key]], g), (key, name)
+
+
+def test_a_window_grown_past_the_flush_bound_is_released_once_written(tmp_path):
+    """Segments beyond what ``flush_mb`` needs (the window grew while the disk failed) are freed by
+    the write that empties them; those within it are kept for the next window."""
+    from olmo_tda.store.writer import _Window
+
+    window = _Window([(8, 8)], np.float32, keep_bytes=300 * 8 * 8 * 4)
+    for step in range(40):                                      # 40 records of 30 rows: 1200 rows
+        seg, lo = window.reserve(30)
+        seg.grads[0][lo:lo + 30] = step
+        window.commit(seg, lo, np.ones(30, bool), np.arange(30) + 100 * step, step, 0.1, 1.0)
+    chunks = window.chunks()
+    assert [int(c["steps"][0]) for c in chunks] == sorted(int(c["steps"][0]) for c in chunks)
+    assert np.array_equal(np.concatenate([c["grads"][0][:, 0, 0] for c in chunks]), np.repeat(np.arange(40), 30))
+    assert window.rows == 1200 and window.capacity >= 1200
+    assert window.drop_steps_after(29) == 300 and window.rows == 900
+    assert np.array_equal(np.concatenate([c["steps"] for c in window.chunks()]), np.repeat(np.arange(30), 30))
+    window.clear()
+    assert window.rows == 0 and 300 <= window.capacity < 1200       # the fewest segments holding 300 rows
 
 
 _PEAK_CHILD = """
@@ -224,15 +245,18 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 
 
 def test_writing_a_window_holds_little_beyond_the_window(tmp_path):
-    """Peak resident memory of a fresh process while one 48 MiB post-hoc window is encoded and written
-    stays near the window: no in-memory image of the shard, no joined copy (2.1x before 2026-12-02)."""
-    records = 32
+    """Peak resident memory of a fresh process while one ~50 MB post-hoc window is encoded and written
+    stays near the window: no in-memory image of the shard, no joined copy, no copy when the window
+    grows (2.2x before 2026-12-02). 33 records: just past a power-of-two number of rows."""
+    records = 33
     window = records * 64 * 6 * 32 * 32 * 4
     out = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(tmp_path / "s"), str(records)],
                          capture_output=True, text=True, check=True)
     grown = int(out.stdout.split()[-1])
     assert GradientStore.open(tmp_path / "s").num_rows == records * 64
-    assert grown < 1.4 * window, grown / window
+    # measured 1.31 here (numpy backs large arrays with 2 MB huge pages: the new segment's first rows
+    # touch one per layer); the BytesIO image gave 2.18, growing the window by copying 1.63
+    assert grown < 1.5 * window, grown / window
 
 
 def test_short_pwrites_still_write_the_whole_shard(tmp_path, monkeypatch):
@@ -779,7 +803,8 @@ def test_unwritable_location_raises_store_error_naming_the_path(tmp_path):
 
 def test_write_failure_surfaces_in_caller_and_the_window_is_retried(tmp_path, monkeypatch):
     path = tmp_path / "s"
-    records = random_records(range(4), seed=10)
+    # 50 rows a record: the held window grows new segments while it waits for the disk
+    records = random_records(range(5), rows_per_step=50, seed=10)
     real = writer_module.write_shard
     failures = {"left": 1}
 
@@ -800,12 +825,21 @@ def test_write_failure_surfaces_in_caller_and_the_window_is_retried(tmp_path, mo
     while w._error is None and time.monotonic() < deadline:  # the thread records its failure
         time.sleep(0.01)
     with pytest.raises(StoreWriteError, match="disk is full") as info:
-        w.append(random_records([4], seed=11)[0])
+        w.append(records[4])
     assert str(path) in str(info.value) and "retries" in str(info.value)
+    assert len(w._window.segments) > 1
     w.close()  # retries the buffered window: succeeds now
+    assert w._window.segments == [] and w.stats["buffered_rows"] == 0       # a closed writer holds no rows
     store = GradientStore.open(path)
-    # the append that reported the error still queued its own record: nothing is dropped
-    assert store.steps.tolist() == [0, 1, 2, 3, 4] and tmp_files(path) == []
+    # the append that reported the error still queued its own record: nothing is dropped, bit for bit
+    block, want = store.read_all(), expected_rows(records)
+    assert sorted(set(block.steps.tolist())) == [0, 1, 2, 3, 4] and tmp_files(path) == []
+    rows = rows_of(block)
+    assert set(rows) == set(want)
+    for key, (lr, scale, grads) in want.items():
+        assert block.lr[rows[key]] == lr and block.loss_scale[rows[key]] == scale
+        for name, g in grads.items():
+            assert torch.equal(block.grads[name][rows[key]], g), (key, name)
 
 
 def _mount_tmpfs(where: Path, options: str) -> bool:

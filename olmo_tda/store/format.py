@@ -29,6 +29,7 @@ Crash safety rests on one rule: every file appears under its final name only com
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -246,18 +247,18 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
     """Write and fsync shard ``(rank, seq)`` under its temp name; return ``(tmp_path, info)``.
 
     Each chunk is ``{"ids": int64[n], "steps": int64[n], "lr": float64[n], "loss_scale": float64[n],
-    "grads": [words [n, k_out, k_in] per layer in store order]}``. One chunk (what the writer passes:
-    views of its window) is written as is; several are joined one layer at a time.
-    :func:`commit_shard` makes it visible.
+    "grads": [words [n, k_out, k_in] per layer in store order]}``; the shard holds their rows in
+    order (the writer passes its window's segments). :func:`commit_shard` makes it visible.
 
     libhdf5 never writes to disk: it does not survive a failed write (a full disk makes a later
     ``close`` or garbage collection segfault the process), so it must never see one. It builds the
-    file's structure in memory (:class:`_StructureFile`, KBs), with every uncompressed layer's rows
-    allocated as one contiguous extent it leaves unwritten; we then ``pwrite`` the structure and
-    each layer's rows, straight from ``chunks``, at the offsets libhdf5 chose. So a window is copied
-    once on its way to disk (into the page cache), not three times (join, in-memory image, write).
-    A compressed layer's filtered chunks go through the in-memory structure instead. On failure
-    the temp file is removed and a plain ``OSError`` propagates.
+    file in memory (:class:`_StructureFile`): its structure (KBs) and the per-row fields (32 B a
+    row), with every uncompressed layer's rows allocated as one contiguous extent it leaves
+    unwritten. We then ``pwrite`` all of that, each chunk's rows straight from ``chunks`` at their
+    place in their layer's extent. So a window is copied once on its way to disk (into the page
+    cache), not three times (join, in-memory image, write). A compressed layer is joined and its
+    filtered chunks go through memory instead. A failed write removes the temp file and raises its
+    ``OSError``.
     """
     final = root / shard_name(rank, seq)
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -279,25 +280,29 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
         f.create_dataset("loss_scale", data=np.concatenate([c["loss_scale"] for c in chunks]).astype(np.float64))
         group = f.create_group("grads")
         for i in range(num_layers):
-            words = chunks[0]["grads"][i] if len(chunks) == 1 else np.concatenate([c["grads"][i] for c in chunks])
-            words = np.ascontiguousarray(words, dtype=disk_dtype(dtype))
-            row_shape = words.shape[1:]
+            parts = [np.ascontiguousarray(c["grads"][i], dtype=disk_dtype(dtype)) for c in chunks]
+            row_shape = parts[0].shape[1:]
             if compression:
                 # chunks of whole rows, ~1 MiB, so a block read decompresses little beyond the block
                 rows_per_chunk = max(1, min(n, (1 << 20) // max(1, int(np.prod(row_shape)) * 4)))
-                group.create_dataset(f"L{i:04d}", data=words, compression=compression,
-                                     chunks=(rows_per_chunk, *row_shape))
+                group.create_dataset(f"L{i:04d}", data=parts[0] if len(parts) == 1 else np.concatenate(parts),
+                                     compression=compression, chunks=(rows_per_chunk, *row_shape))
                 continue
-            ds = group.create_dataset(f"L{i:04d}", shape=words.shape, dtype=words.dtype, dcpl=_RAW_DCPL)
+            ds = group.create_dataset(f"L{i:04d}", shape=(n, *row_shape), dtype=parts[0].dtype, dcpl=_raw_dcpl())
             offset = ds.id.get_offset()
             if offset is None:  # cannot happen with early allocation; never write rows to nowhere
                 raise RuntimeError(f"prepare_shard: libhdf5 allocated no extent for grads/L{i:04d}")
-            extents.append((offset, words))
+            for part in parts:
+                extents.append((offset, part))
+                offset += part.nbytes
+    end = max((offset + part.nbytes for offset, part in extents), default=0)
+    if end > structure.size:   # libhdf5 sets the size to its end of allocation when it closes
+        raise RuntimeError(f"prepare_shard: rows end at byte {end}, past the file's {structure.size}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             # the structure in libhdf5's order (a later write of the same bytes wins), then the rows
-            for offset, piece in [*structure.pieces, *sorted(extents, key=lambda e: e[0])]:
+            for offset, piece in [*structure.pieces, *extents]:
                 _pwrite_all(fd, piece, offset)
             os.ftruncate(fd, structure.size)
             os.fsync(fd)
@@ -312,14 +317,11 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
 
 def _raw_dcpl() -> h5py.h5p.PropDCID:
     """Contiguous layout, file space allocated when the dataset is created (so its offset is known
-    before any row is written), no fill values written."""
+    before any row is written), no fill values written. A fresh list each time: h5py edits it."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     return dcpl
-
-
-_RAW_DCPL = _raw_dcpl()
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:
@@ -329,7 +331,10 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
     try:
         done = 0
         while done < len(view):
-            done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+            wrote = os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+            if wrote <= 0:
+                raise OSError(errno.EIO, f"pwrite wrote nothing at byte {offset + done}")
+            done += wrote
     finally:
         view.release()
 

@@ -11,9 +11,10 @@ Failures in the thread are raised in the caller at its next ``append``/``flush``
 :class:`StoreWriteError`. A failed shard write removes its temp file and keeps the window in memory,
 so the next flush retries it; shards already durable are never touched by a failing write.
 
-Memory held: at most ``queue_size`` records in the queue + the window's buffers (sized by the largest
-window so far, at most ``flush_every`` steps or about ``flush_mb`` MB of encoded rows, and kept between
-windows) + 8 bytes per id stored at the step being appended.
+Memory held: at most ``queue_size`` records in the queue + the window's buffers (about the largest
+window so far, at most ``flush_every`` steps or about ``flush_mb`` MB of encoded rows, kept between
+windows; more only while a failing disk holds a window, released once it is written) + 8 bytes per
+id stored at the step being appended.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class StoreWriter:
         self._other_shards = [s for r, st in states.items() if r != rank for s in st.shards.values()]
         self._index = KeyIndex(root, [*self._state.shards.values(), *self._other_shards])
         # the window's rows (owned by the writer thread) and the ids they hold per step
-        self._window = _Window([stored_shape(layer) for layer in store_meta["layers"]], disk_dtype(self.dtype))
+        self._window = _Window([stored_shape(layer) for layer in store_meta["layers"]], disk_dtype(self.dtype),
+                               keep_bytes=config.flush_mb * 2 ** 20)
         self._window_keys: dict[int, list[np.ndarray]] = {}
         self._finite: np.ndarray | None = None     # per-record scratch of _encode_into
         self._step_keys: StepKeys | None = None   # ids held at the step last appended to
@@ -222,6 +224,8 @@ class StoreWriter:
         self._command("stop")
         self._thread.join()
         self._closed = True
+        self._window.release()      # written: a closed writer kept alive by its owner holds no rows
+        self._finite = None
         atexit.unregister(self._close_at_exit)
         self._lock.release()
         logger.info("gradient store %s: rank %d closed (%s)", self.path, self.rank, self.stats)
@@ -340,9 +344,8 @@ class StoreWriter:
         """Encode one record into the window, then drop its duplicate and non-finite rows there."""
         step, ids = record.step, record.ids
         window = self._window
-        lo = window.rows
-        window.reserve(len(ids))
-        bad = self._encode_into(record, lo)
+        seg, lo = window.reserve(len(ids))
+        bad = self._encode_into(record, seg, lo)
         # duplicates: repeats inside the record, then keys already stored or already in the window
         first = np.zeros(len(ids), dtype=bool)
         first[np.unique(ids, return_index=True)[1]] = True
@@ -365,12 +368,12 @@ class StoreWriter:
         if not keep.any():
             return
         ids = ids[keep] if not keep.all() else ids
-        window.commit(lo, keep, ids, step, record.lr, record.loss_scale)
+        window.commit(seg, lo, keep, ids, step, record.lr, record.loss_scale)
         self._window_keys.setdefault(step, []).append(ids)
         self._step_keys.add(ids)
 
-    def _encode_into(self, record: GradientRecord, lo: int) -> np.ndarray:
-        """Write each layer's rows, in the store's words, into the window from row ``lo`` (one copy
+    def _encode_into(self, record: GradientRecord, seg: "_Segment", lo: int) -> np.ndarray:
+        """Write each layer's rows, in the store's words, into ``seg`` from row ``lo`` (one copy
         that also casts); return which rows hold a NaN/inf once encoded (float16 overflow counts).
         A record on a GPU is cast there and joined into one ``[N, Σ]`` tensor first, so it costs one
         device-to-host copy, not one per layer."""
@@ -389,7 +392,7 @@ class StoreWriter:
         finite = self._finite_scratch(n)
         col = 0
         with np.errstate(over="ignore"):        # a float16 overflow is counted as non-finite, not warned
-            for r, buf in zip(rows, self._window.grads):
+            for r, buf in zip(rows, seg.grads):
                 words = buf[lo:lo + n]
                 if numpy_cast and r.dtype in _NUMPY_FLOATS:
                     np.copyto(words, r.numpy())
@@ -417,7 +420,7 @@ class StoreWriter:
         info = None
         if self._window.rows:
             seq = self._state.next_seq
-            info = write_shard(self.path, self.rank, seq, [self._window.chunk()], len(self.layers), self.dtype,
+            info = write_shard(self.path, self.rank, seq, self._window.chunks(), len(self.layers), self.dtype,
                                self._config.compression)
             with self._mutex:
                 self._state.shards[seq] = info
@@ -493,77 +496,109 @@ class StoreWriter:
         return dropped
 
 
-class _Window:
-    """The rows of the window being filled: growable buffers, one per layer in the store's words and
-    one per row field, into which records are encoded directly. They are reused from window to
-    window, so a flush joins nothing and the pages stay mapped (on the 2-core VM of
-    ``docs/BENCHMARKS.md`` touching fresh pages cost about what the copy into them did). Memory held:
-    the largest window so far (capacity grows by doubling; untouched capacity is not resident)."""
+class _Segment:
+    """One block of window rows: a buffer per layer in the store's words and one per row field."""
 
-    def __init__(self, row_shapes: list[tuple[int, int]], words: type):
+    def __init__(self, capacity: int, row_shapes: list[tuple[int, int]], words: type):
+        self.capacity = capacity
+        self.used = 0
+        self.grads = [np.empty((capacity, *shape), dtype=words) for shape in row_shapes]
+        self.ids = np.empty(capacity, dtype=np.int64)
+        self.steps = np.empty(capacity, dtype=np.int64)
+        self.lr = np.empty(capacity, dtype=np.float64)
+        self.loss_scale = np.empty(capacity, dtype=np.float64)
+
+    def fields(self) -> list[np.ndarray]:
+        return [*self.grads, self.ids, self.steps, self.lr, self.loss_scale]
+
+
+class _Window:
+    """The rows of the window being filled, in segments that records are encoded into directly and
+    that are reused from window to window: a flush joins nothing (each segment's rows are written at
+    their place in the shard), the pages stay mapped (on the 2-core VM of ``docs/BENCHMARKS.md``
+    touching fresh pages cost about what the copy into them did), and the window grows by adding a
+    segment as large as all before it, never by copying. Rows keep their append order.
+
+    Memory held: about the largest window since the last shrink (untouched capacity is not
+    resident). :meth:`clear` keeps the fewest leading segments that hold ``keep_bytes`` and frees the
+    rest, so a window that grew past the flush bound (a disk that failed for a while) is released
+    once it is written."""
+
+    def __init__(self, row_shapes: list[tuple[int, int]], words: type, keep_bytes: float):
+        self.row_shapes, self.words, self.keep_bytes = row_shapes, words, keep_bytes
+        self.row_bytes = sum(int(np.prod(shape)) for shape in row_shapes) * np.dtype(words).itemsize
+        self.segments: list[_Segment] = []
         self.rows = 0
-        self.capacity = 0
-        self.grads = [np.empty((0, *shape), dtype=words) for shape in row_shapes]
-        self.ids = np.empty(0, dtype=np.int64)
-        self.steps = np.empty(0, dtype=np.int64)
-        self.lr = np.empty(0, dtype=np.float64)
-        self.loss_scale = np.empty(0, dtype=np.float64)
-        self.row_bytes = sum(int(np.prod(g.shape[1:])) * g.itemsize for g in self.grads)
+        self._at = 0                           # index of the segment being filled
 
     @property
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
 
-    def _fields(self) -> list[np.ndarray]:
-        return [*self.grads, self.ids, self.steps, self.lr, self.loss_scale]
+    @property
+    def capacity(self) -> int:
+        return sum(seg.capacity for seg in self.segments)
 
-    def reserve(self, n: int) -> None:
-        """Room for ``n`` more rows after ``rows``."""
-        need = self.rows + n
-        if need <= self.capacity:
-            return
-        capacity = max(need, 2 * self.capacity, 64)
-        grown = []
-        for old in self._fields():
-            new = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
-            new[:self.rows] = old[:self.rows]
-            grown.append(new)
-        *self.grads, self.ids, self.steps, self.lr, self.loss_scale = grown
-        self.capacity = capacity
+    def reserve(self, n: int) -> tuple[_Segment, int]:
+        """``(segment, lo)``: where the next ``n`` rows go (rows ``lo:lo + n`` of the segment)."""
+        while self._at < len(self.segments):
+            seg = self.segments[self._at]
+            if seg.capacity - seg.used >= n:
+                return seg, seg.used
+            self._at += 1                      # full, or too small for this record: left as it is
+        seg = _Segment(max(n, self.capacity, 64), self.row_shapes, self.words)
+        self.segments.append(seg)
+        return seg, 0
 
-    def commit(self, lo: int, keep: np.ndarray, ids: np.ndarray, step: int, lr: float,
+    def commit(self, seg: _Segment, lo: int, keep: np.ndarray, ids: np.ndarray, step: int, lr: float,
                loss_scale: float | np.ndarray) -> None:
-        """Make the rows encoded at ``lo`` part of the window, keeping those in ``keep`` (in order);
-        ``ids`` are the kept rows' ids. Must follow :meth:`reserve` and the encoding."""
+        """Make the rows encoded at ``seg[lo:]`` part of the window, keeping those in ``keep`` (in
+        order); ``ids`` are the kept rows' ids. Must follow :meth:`reserve` and the encoding."""
         n = int(keep.sum())
         if n != len(keep):
-            for buf in self.grads:
+            for buf in seg.grads:
                 buf[lo:lo + n] = buf[lo:lo + len(keep)][keep]
         scale = np.broadcast_to(np.asarray(loss_scale, dtype=np.float64), keep.shape)
-        self.ids[lo:lo + n] = ids
-        self.steps[lo:lo + n] = step
-        self.lr[lo:lo + n] = lr
-        self.loss_scale[lo:lo + n] = scale[keep]
-        self.rows = lo + n
+        seg.ids[lo:lo + n] = ids
+        seg.steps[lo:lo + n] = step
+        seg.lr[lo:lo + n] = lr
+        seg.loss_scale[lo:lo + n] = scale[keep]
+        seg.used = lo + n
+        self.rows += n
 
-    def chunk(self) -> dict[str, Any]:
-        """The window as one chunk of :func:`~.format.prepare_shard` (views, valid until the next change)."""
-        r = self.rows
-        return {"ids": self.ids[:r], "steps": self.steps[:r], "lr": self.lr[:r],
-                "loss_scale": self.loss_scale[:r], "grads": [g[:r] for g in self.grads]}
+    def chunks(self) -> list[dict[str, Any]]:
+        """The window as chunks of :func:`~.format.prepare_shard`, in row order (views, valid until
+        the next change)."""
+        return [{"ids": seg.ids[:seg.used], "steps": seg.steps[:seg.used], "lr": seg.lr[:seg.used],
+                 "loss_scale": seg.loss_scale[:seg.used], "grads": [g[:seg.used] for g in seg.grads]}
+                for seg in self.segments if seg.used]
 
     def drop_steps_after(self, step: int) -> int:
         """Remove the rows of steps after ``step``; return how many."""
-        keep = self.steps[:self.rows] <= step
-        n = int(keep.sum())
-        if n != self.rows:
-            for buf in self._fields():
-                buf[:n] = buf[:self.rows][keep]
-        dropped, self.rows = self.rows - n, n
+        dropped = 0
+        for seg in self.segments:
+            keep = seg.steps[:seg.used] <= step
+            n = int(keep.sum())
+            if n != seg.used:
+                for buf in seg.fields():
+                    buf[:n] = buf[:seg.used][keep]
+                dropped, seg.used = dropped + seg.used - n, n
+        self.rows -= dropped
         return dropped
 
+    def release(self) -> None:
+        """Empty the window and free every segment."""
+        self.segments, self.rows, self._at = [], 0, 0
+
     def clear(self) -> None:
-        self.rows = 0
+        """Empty the window; keep the fewest leading segments that hold ``keep_bytes``."""
+        held, kept = 0, 0
+        for seg in self.segments:
+            seg.used = 0
+            if held < self.keep_bytes:
+                held, kept = held + seg.capacity * self.row_bytes, kept + 1
+        del self.segments[kept:]
+        self.rows, self._at = 0, 0
 
 
 def _rows(grads: "torch.Tensor | LowRank") -> "torch.Tensor":
