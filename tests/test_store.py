@@ -160,14 +160,15 @@ def test_default_block_is_sized_by_decoded_bytes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("compression", ["gzip", "lzf"])
 def test_compressed_round_trip_is_bitwise(tmp_path, compression):
-    records = random_records(range(5), rows_per_step=4, seed=15)
+    # 50 rows a record: a window of 3 spans 3 segments, joined for the compressed write
+    records = random_records(range(5), rows_per_step=50, seed=15)
     store = write_store(tmp_path / "s", records, flush_every=3, compression=compression)
     want = expected_rows(records)
-    for block in store.iter_blocks(block_size=3):
+    for block in store.iter_blocks(block_size=37):
         for k, key in enumerate(zip(block.ids.tolist(), block.steps.tolist())):
             for name in LAYERS:
                 assert torch.equal(block.grads[name][k], want[key][2][name])
-    assert store.num_rows == 20
+    assert store.num_rows == 250
 
 
 def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memory(tmp_path, monkeypatch):
@@ -192,8 +193,9 @@ def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memor
             w.append(r)
             if r.step % 4 == 3:
                 w.flush()
-                buffers.append([g.__array_interface__["data"][0] for seg in w._window.segments for g in seg.grads])
-    assert len(buffers[0]) > 3 and buffers == [buffers[0]] * 3        # 3 windows, the same buffers
+                buffers.append([g for seg in w._window.segments for g in seg.grads])   # held: no address reuse
+    assert len(buffers[0]) > 3
+    assert all(len(b) == len(buffers[0]) and all(x is y for x, y in zip(b, buffers[0])) for b in buffers)
     store = GradientStore.open(tmp_path / "s")
     assert len(store.shards) == 3 and len(structures) == 3
     for spy, shard in zip(structures, store.shards):
@@ -210,22 +212,54 @@ def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memor
 
 def test_a_window_grown_past_the_flush_bound_is_released_once_written(tmp_path):
     """Segments beyond what ``flush_mb`` needs (the window grew while the disk failed) are freed by
-    the write that empties them; those within it are kept for the next window."""
+    the write that empties them; rows keep their order through a truncation and later appends."""
     from olmo_tda.store.writer import _Window
 
     window = _Window([(8, 8)], np.float32, keep_bytes=300 * 8 * 8 * 4)
+
+    def append(step, rows=30):
+        seg, lo = window.reserve(rows)
+        seg.grads[0][lo:lo + rows] = step
+        window.commit(seg, lo, np.ones(rows, bool), np.arange(rows) + 100 * step, step, 0.1, 1.0)
+
     for step in range(40):                                      # 40 records of 30 rows: 1200 rows
-        seg, lo = window.reserve(30)
-        seg.grads[0][lo:lo + 30] = step
-        window.commit(seg, lo, np.ones(30, bool), np.arange(30) + 100 * step, step, 0.1, 1.0)
-    chunks = window.chunks()
-    assert [int(c["steps"][0]) for c in chunks] == sorted(int(c["steps"][0]) for c in chunks)
-    assert np.array_equal(np.concatenate([c["grads"][0][:, 0, 0] for c in chunks]), np.repeat(np.arange(40), 30))
-    assert window.rows == 1200 and window.capacity >= 1200
+        append(step)
+    assert [seg.capacity for seg in window.segments] == [64, 64, 128, 256, 512, 1024]
     assert window.drop_steps_after(29) == 300 and window.rows == 900
-    assert np.array_equal(np.concatenate([c["steps"] for c in window.chunks()]), np.repeat(np.arange(30), 30))
+    for step in range(30, 36):                                  # appended after the truncation
+        append(step)
+    chunks = window.chunks()
+    assert np.array_equal(np.concatenate([c["grads"][0][:, 0, 0] for c in chunks]), np.repeat(np.arange(36), 30))
+    assert np.array_equal(np.concatenate([c["steps"] for c in chunks]), np.repeat(np.arange(36), 30))
     window.clear()
-    assert window.rows == 0 and 300 <= window.capacity < 1200       # the fewest segments holding 300 rows
+    # 1080 rows > 300 + one record: keep the fewest leading segments that hold 300 rows
+    assert window.rows == 0 and [seg.capacity for seg in window.segments] == [64, 64, 128, 256]
+
+
+def test_steady_windows_at_the_flush_bound_reuse_every_segment(tmp_path, monkeypatch):
+    """Windows closed by ``flush_mb`` (a post-hoc capture) reach the same segments each time; the
+    writer keeps all of them, so no window after the first allocates (record-end waste included)."""
+    made = []
+
+    class Counted(writer_module._Segment):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self.capacity)
+
+    monkeypatch.setattr(writer_module, "_Segment", Counted)
+    layers = [{"name": "l0", "shape": [8, 8], "projector": {"seed": 0}}]
+    meta = {**META, "layers": layers}
+    config = StoreConfig(flush_every=10 ** 6, flush_mb=1000 * 8 * 8 * 4 / 2 ** 20)   # a window: >= 1000 rows
+    gen = torch.Generator().manual_seed(0)
+    with GradientStore.create(tmp_path / "s", meta, config) as w:
+        for r in range(210):                                    # 48-row records at one step: 10 windows of 21
+            w.append(GradientRecord(ids=np.arange(48) + 48 * r, step=0, lr=0.1, loss_scale=1.0,
+                                    grads={"l0": torch.randn(48, 8, 8, generator=gen)}))
+            if r == 20:
+                w.flush()
+                first = list(made)
+    assert len(GradientStore.open(tmp_path / "s").shards) == 10
+    assert made == first == [64, 64, 128, 256, 512, 1024], made      # nothing allocated after window 1
 
 
 _PEAK_CHILD = """
@@ -824,11 +858,14 @@ def test_write_failure_surfaces_in_caller_and_the_window_is_retried(tmp_path, mo
     deadline = time.monotonic() + 10
     while w._error is None and time.monotonic() < deadline:  # the thread records its failure
         time.sleep(0.01)
+    capacity = w._window.capacity                   # what the first window (2 records) needed
     with pytest.raises(StoreWriteError, match="disk is full") as info:
         w.append(records[4])
     assert str(path) in str(info.value) and "retries" in str(info.value)
-    assert len(w._window.segments) > 1
-    w.close()  # retries the buffered window: succeeds now
+    w.flush()  # the held window (3 steps by now) is durable after this: written by the thread or here
+    assert capacity == 128 and w._window.capacity == 256        # it grew a segment for its 3rd record, kept
+    w.close()
+    assert w._window.capacity == 0                              # a closed writer holds no buffers
     assert w._window.segments == [] and w.stats["buffered_rows"] == 0       # a closed writer holds no rows
     store = GradientStore.open(path)
     # the append that reported the error still queued its own record: nothing is dropped, bit for bit

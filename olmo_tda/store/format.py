@@ -282,6 +282,10 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
         for i in range(num_layers):
             parts = [np.ascontiguousarray(c["grads"][i], dtype=disk_dtype(dtype)) for c in chunks]
             row_shape = parts[0].shape[1:]
+            if [len(part) for part in parts] != [len(c["ids"]) for c in chunks] \
+                    or any(part.shape[1:] != row_shape for part in parts):
+                raise ValueError(f"prepare_shard: grads[{i}] rows {[part.shape for part in parts]} do not match "
+                                 f"the chunks' {[len(c['ids']) for c in chunks]} ids")
             if compression:
                 # chunks of whole rows, ~1 MiB, so a block read decompresses little beyond the block
                 rows_per_chunk = max(1, min(n, (1 << 20) // max(1, int(np.prod(row_shape)) * 4)))

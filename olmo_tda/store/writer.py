@@ -13,8 +13,8 @@ so the next flush retries it; shards already durable are never touched by a fail
 
 Memory held: at most ``queue_size`` records in the queue + the window's buffers (about the largest
 window so far, at most ``flush_every`` steps or about ``flush_mb`` MB of encoded rows, kept between
-windows; more only while a failing disk holds a window, released once it is written) + 8 bytes per
-id stored at the step being appended.
+windows; more while a failing disk holds a window, and up to about twice ``flush_mb`` after it is
+written) + 8 bytes per id stored at the step being appended.
 """
 
 from __future__ import annotations
@@ -520,9 +520,10 @@ class _Window:
     segment as large as all before it, never by copying. Rows keep their append order.
 
     Memory held: about the largest window since the last shrink (untouched capacity is not
-    resident). :meth:`clear` keeps the fewest leading segments that hold ``keep_bytes`` and frees the
-    rest, so a window that grew past the flush bound (a disk that failed for a while) is released
-    once it is written."""
+    resident). :meth:`clear` keeps the segments a window of up to ``keep_bytes`` plus one record
+    reached, so steady windows reuse them all; the rest of a window that grew past that (a disk
+    that failed for a while) is released once it is written, down to the fewest leading segments
+    that hold ``keep_bytes`` (segments double, so up to about twice that)."""
 
     def __init__(self, row_shapes: list[tuple[int, int]], words: type, keep_bytes: float):
         self.row_shapes, self.words, self.keep_bytes = row_shapes, words, keep_bytes
@@ -530,6 +531,7 @@ class _Window:
         self.segments: list[_Segment] = []
         self.rows = 0
         self._at = 0                           # index of the segment being filled
+        self._largest_record = 0               # rows of the largest record reserved so far
 
     @property
     def nbytes(self) -> int:
@@ -541,6 +543,7 @@ class _Window:
 
     def reserve(self, n: int) -> tuple[_Segment, int]:
         """``(segment, lo)``: where the next ``n`` rows go (rows ``lo:lo + n`` of the segment)."""
+        self._largest_record = max(self._largest_record, n)
         while self._at < len(self.segments):
             seg = self.segments[self._at]
             if seg.capacity - seg.used >= n:
@@ -584,6 +587,8 @@ class _Window:
                     buf[:n] = buf[:seg.used][keep]
                 dropped, seg.used = dropped + seg.used - n, n
         self.rows -= dropped
+        # appends go on after the last rows still held (segments after it are empty: order holds)
+        self._at = max((i for i, seg in enumerate(self.segments) if seg.used), default=0)
         return dropped
 
     def release(self) -> None:
@@ -591,13 +596,17 @@ class _Window:
         self.segments, self.rows, self._at = [], 0, 0
 
     def clear(self) -> None:
-        """Empty the window; keep the fewest leading segments that hold ``keep_bytes``."""
-        held, kept = 0, 0
+        """Empty the window. A window within ``keep_bytes`` plus one record keeps every segment it
+        reached; a larger one keeps the fewest leading segments that hold ``keep_bytes``."""
+        if self.nbytes <= self.keep_bytes + self._largest_record * self.row_bytes:
+            kept = self._at + 1
+        else:
+            held, kept = 0, 0
+            while kept < len(self.segments) and held < self.keep_bytes:
+                held, kept = held + self.segments[kept].capacity * self.row_bytes, kept + 1
+        del self.segments[kept:]
         for seg in self.segments:
             seg.used = 0
-            if held < self.keep_bytes:
-                held, kept = held + seg.capacity * self.row_bytes, kept + 1
-        del self.segments[kept:]
         self.rows, self._at = 0, 0
 
 
