@@ -94,14 +94,11 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
-def window_peak(k: int, mb: float, work: Path) -> float:
-    """Peak RSS a fresh process adds while one ``mb``-MB one-step window is encoded and written,
-    over the window's bytes."""
-    records = max(1, int(mb * 2 ** 20 // (ROWS * LAYERS * k * k * 4)))
-    path = Path(tempfile.mkdtemp(dir=work)) / "s"
+def window_peak(k: int, records: int, path: Path) -> float:
+    """Peak RSS a fresh process adds while one one-step window of ``records`` records (16 rows, 9
+    layers at ``k``) is encoded and written to a store at ``path``, over the window's bytes."""
     out = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(path), str(k), str(records)],
                          capture_output=True, text=True, check=True)
-    shutil.rmtree(path.parent)
     return int(out.stdout.split()[-1]) / (records * ROWS * LAYERS * k * k * 4)
 
 
@@ -140,7 +137,8 @@ def main(argv=None) -> dict:
                 rate, shards[(layout, n)], us = append_rate(layout, n, grads, work)
                 rates[(layout, n)].append(rate)
                 cpu[(layout, n)].append(us)
-        peak = window_peak(args.k, args.peak_mb, work)
+        peak = window_peak(args.k, max(1, int(args.peak_mb * 2 ** 20 // (ROWS * row_bytes))),
+                           Path(tempfile.mkdtemp(dir=work)) / "s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {c: statistics.median(v) for c, v in rates.items()}

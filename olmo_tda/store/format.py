@@ -103,12 +103,10 @@ def torch_dtype(dtype: StoreDType) -> torch.dtype:
 
 
 def encode_grads(grads_NOI: torch.Tensor, dtype: StoreDType) -> np.ndarray:
-    """float tensor ``[N, k_out, k_in]`` (CPU) → numpy in the store's on-disk words."""
-    cast = grads_NOI.to(torch_dtype(dtype)).contiguous()
-    if StoreDType(dtype) is StoreDType.BFLOAT16:
-        # numpy has no bf16, so keep torch's rounding and store the raw 16-bit words
-        return cast.view(torch.int16).numpy().view(np.uint16)
-    return cast.numpy()
+    """float tensor ``[N, k_out, k_in]`` (CPU) → numpy in the store's on-disk words (torch's rounding)."""
+    words = np.empty(tuple(grads_NOI.shape), dtype=disk_dtype(dtype))
+    words_as_torch(words, dtype).copy_(grads_NOI)
+    return words
 
 
 def words_as_torch(words: np.ndarray, dtype: StoreDType) -> torch.Tensor:
