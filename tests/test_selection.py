@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from olmo_tda.config import ConfigError, SelectionConfig, TDAConfig
-from olmo_tda.training.selection import (SelectionError, SelectionLog, greats_order, order_window, rewrite_order,
-                                         round_stats)
+from olmo_tda.training.selection import (DataOrder, SelectionError, SelectionLog, greats_order, order_window,
+                                         rewrite_order, round_stats)
 from olmo_tda.training.selector import OnlineSelector
 from conftest import exact_per_example_grads, tiny_olmo
 
@@ -142,6 +142,29 @@ def test_log_replays_truncates_and_survives_a_torn_line(tmp_path):
     (tmp_path / json.loads(log.index_file.read_text().splitlines()[0])["file"]).write_bytes(b"junk")
     with pytest.raises(SelectionError, match="cannot be read"):
         log.replay(base, 0, 100)
+
+
+def test_a_torn_last_line_never_swallows_the_next_round(tmp_path):
+    """A crash mid-append with no round to drop on resume (the likeliest case: the torn round is the
+    first after the checkpoint): the re-run round and the ones after it are all logged and readable.
+    A line that lost only its newline is a whole round and is kept."""
+    log = SelectionLog(tmp_path)
+    base = np.arange(20)
+    log.append(epoch=0, step=2, start=4, keep=4, window_ids=np.array([7, 6, 5, 4]), stats={})
+    with open(log.index_file, "a") as f:
+        f.write('{"epoch": 0, "step": 4, "st')            # the crash
+    assert log.truncate_after(0, 4) == 0                   # resume from the checkpoint at step 4
+    log.append(epoch=0, step=4, start=8, keep=4, window_ids=np.array([11, 10, 9, 8]), stats={})
+    log.append(epoch=0, step=6, start=12, keep=4, window_ids=np.array([15, 14, 13, 12]), stats={})
+    assert [r["step"] for r in log.rounds()] == [2, 4, 6]
+    want = rewrite_order(rewrite_order(rewrite_order(base, 4, np.array([7, 6, 5, 4]), 4),
+                                       8, np.array([11, 10, 9, 8]), 4), 12, np.array([15, 14, 13, 12]), 4)
+    assert np.array_equal(DataOrder(20, lambda e: base, log).epoch_order(0), want)
+    # the crash came after a whole line but before its newline: the round took effect, keep it
+    log.index_file.write_bytes(log.index_file.read_bytes()[:-1])
+    log.append(epoch=0, step=8, start=16, keep=4, window_ids=np.array([19, 18, 17, 16]), stats={})
+    assert [r["step"] for r in log.rounds()] == [2, 4, 6, 8]
+    assert not list(tmp_path.glob("*.tmp*"))
 
 
 def test_config_errors_name_the_key(tmp_path):

@@ -38,6 +38,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from olmo_tda.store.format import fsync_dir
+
 __all__ = ["POLICIES", "RoundInputs", "order_window", "greats_order", "rewrite_order", "SelectionLog",
            "SelectionError", "round_stats", "DataOrder"]
 
@@ -221,17 +223,37 @@ class SelectionLog:
     def rounds(self) -> list[dict]:
         if not self.index_file.is_file():
             return []
+        lines = self.index_file.read_text().split("\n")
         out = []
-        for n, line in enumerate(self.index_file.read_text().splitlines(), 1):
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
-                if n == len(self.index_file.read_text().splitlines()):   # a torn last line: the round never applied
+                if n == len(lines):   # a torn last line (no newline after it): the round never applied
                     break
                 raise SelectionError(f"{self.index_file}:{n}: corrupt line (not JSON)") from None
         return out
+
+    def _mend_tail(self) -> None:
+        """Make the log end in a newline before it grows: a crash while a line was written leaves a
+        fragment without one. A fragment that is whole JSON (only the newline was lost) gets its
+        newline; anything else is cut off, since that round never took effect."""
+        if not self.index_file.is_file():
+            return
+        with open(self.index_file, "r+b") as f:
+            data = f.read()
+            if not data or data.endswith(b"\n"):
+                return
+            cut = data.rfind(b"\n") + 1
+            try:
+                json.loads(data[cut:])
+                f.write(b"\n")
+            except ValueError:
+                f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
 
     def _order_file(self, epoch: int, step: int) -> Path:
         return self.folder / f"round-e{epoch:04d}-s{step:010d}.npy"
@@ -241,8 +263,13 @@ class SelectionLog:
             return
         path = self._order_file(epoch, step)
         tmp = path.with_suffix(".tmp.npy")
-        np.save(tmp, np.asarray(window_ids, dtype=np.int64))
+        with open(tmp, "wb") as f:
+            np.save(f, np.asarray(window_ids, dtype=np.int64))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(self.folder)        # the order file is on disk before the line that points at it
+        self._mend_tail()
         line = json.dumps({"epoch": epoch, "step": step, "start": int(start), "keep": int(keep),
                            "window": int(len(window_ids)), "file": path.name, **stats})
         with open(self.index_file, "a") as f:
@@ -273,11 +300,18 @@ class SelectionLog:
         how many were dropped."""
         rounds = self.rounds()
         keep = [r for r in rounds if (r["epoch"], r["step"]) <= (epoch, step)]
-        if not self.writer or len(keep) == len(rounds):
+        if not self.writer:
             return len(rounds) - len(keep)
+        if len(keep) == len(rounds):
+            self._mend_tail()       # a torn last line must not glue itself to the next round
+            return 0
         tmp = self.index_file.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        with open(tmp, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in keep))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.index_file)
+        fsync_dir(self.folder)
         for r in rounds:
             if (r["epoch"], r["step"]) > (epoch, step):
                 (self.folder / r["file"]).unlink(missing_ok=True)
