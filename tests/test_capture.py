@@ -518,3 +518,153 @@ def test_tied_head_share_is_added_to_the_table(scale_logits, caplog):
         assert "tied" not in caplog.text            # the table was left out on purpose: no warning
         GradientCapture(model, CaptureConfig(proj_dim=4)).remove()
     assert "tied to its token table" in caplog.text
+
+
+class _Parallel(nn.Module):
+    """Two captured Linears whose outputs are summed: autograd hands both hooks the same tensor."""
+
+    def __init__(self, n_in=16, n_out=8):
+        super().__init__()
+        self.a, self.b = nn.Linear(n_in, n_out, bias=False), nn.Linear(n_in, n_out, bias=False)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize("loss_kind", ["mean", "squared"])
+def test_lorif_tokens_with_an_identity_output_side_are_scaled_once(loss_kind):
+    """``capture.rank`` keeps token factors; with an identity output side (k_out = the layer's width)
+    the factor is autograd's gradient tensor itself. De-scaling by ``loss_scale`` must neither write
+    into an expanded gradient (``sum()/B``) nor scale twice a gradient shared by two layers."""
+    from torch.func import functional_call, grad, vmap
+    torch.manual_seed(0)
+    B, T = 3, 2
+    model, x, target = _Parallel(), torch.randn(B, T, 16), torch.randn(B, T, 8)
+    loss_of = (lambda out, t: out.sum()) if loss_kind == "mean" else (lambda out, t: ((out - t) ** 2).sum())
+    cap = GradientCapture(model, CaptureConfig(proj_dim=(8, 4), seed=1, rank=2))
+    assert cap.layer_ranks == {"a": 2, "b": 2}
+    with cap.record(range(B), loss_scale=B) as rec:
+        (loss_of(model(x), target) / B).backward()
+    got = rec.dense()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    exact = vmap(grad(lambda p, xi, ti: loss_of(functional_call(model, p, (xi[None],)), ti[None])),
+                 in_dims=(None, 0, 0))(params, x, target)
+    for name in ("a", "b"):
+        p_out, p_in = cap.projectors[name].matrices()
+        assert rel_err(got[name], p_out @ exact[f"{name}.weight"] @ p_in.T) < TOL, name
+    cap.remove()
+
+
+@pytest.mark.parametrize("route", ["auto", "qr", "dense"])
+def test_a_nonfinite_example_under_lorif_is_skipped_not_fatal(tmp_path, route):
+    """One example's activations hold an inf: with ``capture.rank`` its factors are NaN (the
+    decompositions would raise), the other examples are exact, and the store skips and counts it."""
+    from olmo_tda.capture.factors import truncate_dense
+    from olmo_tda.config import StoreConfig
+    from olmo_tda.store import GradientStore
+
+    torch.manual_seed(0)
+    B, T = 3, 2 if route == "dense" else 12
+    lin = nn.Linear(32, 32, bias=False)
+    x, w = torch.randn(B, T, 32), torch.randn(B, T, 32)
+    x[1, 0, 0] = float("inf")
+    cfg = CaptureConfig(proj_dim=16, seed=0, rank=2, factor_route="qr" if route == "qr" else "auto")
+    cap = GradientCapture(lin, cfg)
+    cap._keep_tokens = (lambda *a: False) if route == "dense" else cap._keep_tokens
+    with cap.record([10, 11, 12]) as rec:
+        (lin(x) * w).sum().backward()
+    stored = rec.stored()[""]
+    assert torch.isnan(stored.A[1]).all() and torch.isfinite(stored.A[[0, 2]]).all()
+    p_out, p_in = cap.projectors[""].matrices()
+    exact = p_out @ torch.einsum("bto,bti->boi", w, x)[[0, 2]] @ p_in.T
+    A, B_ = truncate_dense(exact, 2)
+    assert rel_err(stored.A[[0, 2]] @ stored.B[[0, 2]].transpose(1, 2), A @ B_.transpose(1, 2)) < 1e-4
+    store = GradientStore.create(tmp_path / "s", cap.store_metadata(), StoreConfig())
+    with pytest.warns(RuntimeWarning, match="skipped 1 rows"):
+        store.append(rec.to_record(step=1, lr=0.1))
+        store.close()
+    back = GradientStore.open(tmp_path / "s")
+    assert sorted(back.read_all().ids.tolist()) == [10, 12] and back.stats["rows_skipped_nonfinite"] == 1
+    cap.remove()
+
+
+def test_moments_count_a_checkpointed_forward_once():
+    """Non-reentrant checkpointing re-runs the forward hooks during backward; the inputs' moments must
+    still count each forward once, as the output gradients' do (R and C of the same tokens)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 5)
+    counts = {}
+    for reentrant in (None, False, True):
+        model = _CheckpointedMLP(bool(reentrant))
+        model.load_state_dict(_CheckpointedMLP(False).state_dict() if not counts else first)
+        first = model.state_dict()
+        if reentrant is None:
+            model.forward = lambda t, m=model: m.head(m.inner(t))
+        cap = GradientCapture(model, CaptureConfig(proj_dim=4, seed=0))
+        with cap.moments() as moments, cap.record(range(3)):
+            model(x.clone().requires_grad_(bool(reentrant))).pow(2).sum().backward()
+        counts[reentrant] = {n: (m.tokens, m.in_sq.clone(), m.out_sq.clone()) for n, m in moments.items()}
+        cap.remove()
+    for reentrant in (False, True):
+        for name, (tokens, in_sq, out_sq) in counts[None].items():
+            got = counts[reentrant][name]
+            assert got[0] == tokens == 15, (reentrant, name, got[0])
+            assert rel_err(got[1], in_sq) < TOL and rel_err(got[2], out_sq) < TOL, (reentrant, name)
+
+
+def test_reentrant_checkpointing_survives_a_paused_step_and_a_failed_backward():
+    """Forwards run while paused, and a backward that raised mid-way, leave nothing behind that would
+    make a later single-forward step look like a backward over several forwards."""
+    torch.manual_seed(0)
+    model = _CheckpointedMLP(reentrant=True)
+    x = torch.randn(6, 5, requires_grad=True)
+    cap = GradientCapture(model, CaptureConfig(proj_dim=0))
+    with cap.pause():
+        model(x[:3]).sum().backward()                       # e.g. a selector's own pass
+    with cap.record(range(3)) as rec:
+        model(x[:3]).sum().backward()
+    assert rec.dense()["head"].shape[0] == 3
+
+    def fail(grad):
+        raise ValueError("a user hook failed")
+
+    with pytest.raises(ValueError, match="user hook"):
+        with cap.record(range(3)):
+            out = model(x[:3])
+            out.register_hook(fail)
+            out.sum().backward()
+    for _ in range(2):
+        with cap.record(range(3)) as rec:
+            model(x[3:]).sum().backward()
+        assert rec.dense()["head"].shape[0] == 3
+    cap.remove()
+
+
+def test_an_identity_input_side_refuses_an_input_changed_in_place():
+    """With an identity input side the capture reads the layer's input at backward time; autograd lets
+    it change in place when the weight needs no gradient, so the capture must refuse, not mis-read."""
+    lin = nn.Linear(4, 3, bias=False).requires_grad_(False)     # the post-hoc path's frozen weights
+    x = torch.randn(2, 4, requires_grad=True)
+    for proj_dim, ok in ((0, False), (2, True)):
+        cap = GradientCapture(lin, CaptureConfig(proj_dim=proj_dim))
+        with cap.record(range(2)) as rec:
+            h = x * 1.0
+            out = lin(h)
+            h.mul_(100.0)
+            if ok:
+                out.sum().backward()
+            else:
+                with pytest.raises(CaptureError, match="modified in place"):
+                    out.sum().backward()
+        if ok:
+            assert rec.dense()[""].shape == (2, 2, 2)
+        cap.remove()
+
+
+def test_an_empty_record_has_zero_rows():
+    cap = GradientCapture(nn.Linear(5, 3), CaptureConfig(proj_dim=0, rank=1))
+    with cap.record([]) as rec:
+        pass
+    assert rec.dense()[""].shape == (0, 3, 6)
+    assert len(rec.to_record(step=1, lr=0.1).ids) == 0
+    cap.remove()

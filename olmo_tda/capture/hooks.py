@@ -8,16 +8,18 @@ The hot path, per selected Linear and forward call:
   tensor hook   : ``grads_BTKo = P_out g`` then ``Ĝ_BKoKi = grads_BTKoᵀ @ acts_BTKi`` added to the record
                   (with ``capture.rank: c``, a layer whose examples are short by the FLOP rule of
                   :func:`~olmo_tda.capture.factors.factor_route` keeps the two token factors instead)
-Nothing else happens on the step: de-scaling by ``loss_scale``, concatenation over micro-batches,
-rank-c factorization (LoRIF) and finiteness checks happen once per record, lazily, off the hooks.
+Nothing else happens on the step: de-scaling by ``loss_scale``, concatenation over micro-batches and
+rank-c factorization (LoRIF) happen once per record, lazily, off the hooks. An example whose gradient
+is not finite keeps non-finite rows (its LoRIF factors are NaN), which the store skips and counts.
 
 Why a tensor hook on the output and not ``register_full_backward_hook``: the latter breaks when the
 Linear's output is modified in place (OLMo's ``clip_qkv`` clamp); a tensor hook registered before
 the in-place op receives the gradient w.r.t. the pre-modification value, which is what we need.
 Each forward call captures its own activations in the hook's closure, so a Linear used twice in one
-forward adds both contributions; activation checkpointing recomputes a forward whose hooks either
-are the only ones that fire (re-entrant: the first forward runs under no_grad and is skipped) or
-never fire (non-reentrant: the recomputed outputs are not in the backward graph).
+forward adds both contributions; activation checkpointing recomputes a forward whose gradient hooks
+either are the only ones that fire (re-entrant: the first forward runs under no_grad and is skipped)
+or never fire (non-reentrant: the recomputed outputs are not in the backward graph). What a forward
+hook measures for :meth:`GradientCapture.moments` is therefore added when its gradient hook fires.
 
 Example::
 
@@ -37,7 +39,7 @@ import logging
 import math
 import re
 from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -150,6 +152,9 @@ class Recording:
         shapes = self._capture.layer_shapes
         parts = [self._parts[f] for f in sorted(self._parts)]
         rows = [_part_rows(p) for p in parts]
+        if not parts and not len(self.ids):          # an empty block: zero rows of every layer
+            self._assembled = {name: [torch.zeros(0, k_out, k_in)] for name, (k_out, k_in) in shapes.items()}
+            return self._assembled
         if sum(rows) != len(self.ids):
             raise CaptureError(
                 f"record got {len(self.ids)} ids but the backward pass(es) carried {sum(rows)} examples "
@@ -161,8 +166,12 @@ class Recording:
                                   for part, n in zip(parts, rows)]
                            for name, (k_out, k_in) in shapes.items()}
         if self.loss_scale != 1.0:
-            for part in (p for chunks in self._assembled.values() for p in chunks):
-                (part[0] if isinstance(part, tuple) else part).mul_(self.loss_scale)
+            # dense parts are our own bmm results: in place. A token factor with an identity output side
+            # is autograd's gradient itself (possibly expanded, or the same tensor for two layers whose
+            # outputs were summed): a new tensor
+            self._assembled = {name: [(p[0] * self.loss_scale, p[1]) if isinstance(p, tuple)
+                                      else p.mul_(self.loss_scale) for p in chunks]
+                               for name, chunks in self._assembled.items()}
         return self._assembled
 
     def to_record(self, step: int, lr: float) -> GradientRecord:
@@ -193,10 +202,34 @@ def _as_dense(grad: Any) -> torch.Tensor:
 
 
 def _factorize(grad: Any, rank: int) -> LowRank:
-    """Rank-c factors of one forward's part: from token factors (exact when T <= c) or by SVD of Ĝ."""
+    """Rank-c factors of one forward's part: from token factors (exact when T <= c) or by SVD of Ĝ.
+    An example whose part is not finite gets NaN factors (the decompositions refuse non-finite
+    input), so the store skips and counts it as it does a non-finite dense row."""
     if isinstance(grad, tuple):
-        return LowRank(*lowrank_factors(grad[0], grad[1], rank))
-    return LowRank(*truncate_dense(grad, rank))
+        bad = ~(torch.isfinite(grad[0]).flatten(1).all(1) & torch.isfinite(grad[1]).flatten(1).all(1))
+    else:
+        bad = ~torch.isfinite(grad).flatten(1).all(1)
+    if not bool(bad.any()):
+        return LowRank(*(lowrank_factors(grad[0], grad[1], rank) if isinstance(grad, tuple)
+                         else truncate_dense(grad, rank)))
+    keep = (~bad).view(-1, *([1] * (_first(grad).ndim - 1)))
+    if isinstance(grad, tuple):
+        A, B = lowrank_factors(grad[0].where(keep, 0.0), grad[1].where(keep, 0.0), rank)
+    else:
+        A, B = truncate_dense(grad.where(keep, 0.0), rank)
+    A[bad] = float("nan")
+    return LowRank(A, B)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):       # torch.func's wrappers have no storage to compare
+        return False
+
+
+def _first(grad: Any) -> torch.Tensor:
+    return grad[0] if isinstance(grad, tuple) else grad
 
 
 def _as_ids(ids: Any) -> np.ndarray:
@@ -354,7 +387,7 @@ class GradientCapture:
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
         self._forward_id += 1
-        if torch.is_grad_enabled() and not _in_backward():
+        if torch.is_grad_enabled() and not _in_backward() and not self._paused:
             self._pending_forwards += 1
 
     def _on_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
@@ -363,6 +396,7 @@ class GradientCapture:
         acts = (args[0] if args else kwargs["input"]).detach()
         proj = self.projectors[name].to(acts.device)
         scale = self._scales.get(name) if self._scales is not None else None
+        moment_in = None
         if isinstance(module, nn.Embedding):
             if acts.ndim < 1:
                 raise CaptureError(f"embedding {name} got a scalar input; capture needs a leading batch dimension "
@@ -370,7 +404,7 @@ class GradientCapture:
             ids = acts.reshape(acts.shape[0], -1)
             acts_BTKi = proj.project_ids(ids, module.padding_idx)
             if self._moments is not None:
-                self._moments[name].add_ids(self._counted(ids), module.padding_idx)
+                moment_in = self._moments[name].measure_ids(self._counted(ids), module.padding_idx)
             if scale is not None:
                 acts_BTKi = acts_BTKi * scale[1].to(acts_BTKi.device)[ids].unsqueeze(-1)
         else:
@@ -380,21 +414,31 @@ class GradientCapture:
             with _fp32(acts.device.type):
                 a = acts.reshape(acts.shape[0], -1, acts.shape[-1]).float()
                 if self._moments is not None:
-                    self._moments[name].add_in(self._counted(a))
+                    moment_in = self._moments[name].measure_in(self._counted(a))
                 if scale is None:
                     acts_BTKi = proj.project_in(a, self._with_bias[name])
                 else:
                     acts_BTKi = proj.project_in(_scaled_in(a, scale[1].to(a.device), self._with_bias[name]), False)
+        # An identity input side keeps the input itself until backward: a later in-place change to it
+        # (which autograd allows when the weight needs no gradient) would change the capture
+        alias = (acts, acts._version) if _same_memory(acts_BTKi, acts) else None
         # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
         # re-entrant checkpointing, where they belong to the forward being backpropagated.
         output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi,
-                                     None if scale is None else scale[0]))
+                                     None if scale is None else scale[0], moment_in, alias))
 
     def _on_grad(self, name: str, forward_id: int, recomputed: bool, acts_BTKi: torch.Tensor,
-                 s_out: torch.Tensor | None, grad: torch.Tensor) -> None:
+                 s_out: torch.Tensor | None, moment_in: Any, alias: tuple[torch.Tensor, int] | None,
+                 grad: torch.Tensor) -> None:
         rec = self._recording(name, recomputed)
         if rec is None:
             return
+        if alias is not None and alias[0]._version != alias[1]:
+            raise CaptureError(f"the input of layer {name} was modified in place after its forward: its "
+                               "projection is the identity (proj_dim >= the layer's width), so capture reads "
+                               "the input at backward time. Make the in-place op out of place, or project")
+        if moment_in is not None and self._moments is not None:
+            moment_in()
         proj = self.projectors[name]
         with _fp32(grad.device.type):
             g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
@@ -421,7 +465,8 @@ class GradientCapture:
             raise CaptureError(
                 f"re-entrant activation checkpointing recomputed layer {name} during a backward that covers "
                 f"{self._pending_forwards} forwards: its examples cannot be told apart. Use "
-                "checkpoint(..., use_reentrant=False) (OLMo's default), or one backward per forward")
+                "checkpoint(..., use_reentrant=False) (OLMo's default), or one backward per forward (a "
+                "grad-enabled forward that is never backpropagated counts too: run it under torch.no_grad())")
         return rec
 
     def _add(self, rec: Recording, name: str, forward_id: int, grads_BTKo: torch.Tensor,
@@ -445,25 +490,27 @@ class GradientCapture:
         proj = self.projectors[name].to(output.device)
         with _fp32(output.device.type):
             x = output.detach().reshape(output.shape[0], -1, output.shape[-1]).float()
-            if self._moments is not None:
-                self._moments[name].add_head_in(self._counted(x))
+            moment_in = None if self._moments is None else self._moments[name].measure_head_in(self._counted(x))
             scale = self._scales.get(name) if self._scales is not None else None
             if scale is not None:
                 x = x * scale[0].to(x.device)
-            self._tied_acts[name] = (self._forward_id, proj.project_out(x), None if scale is None else scale[1])
+            self._tied_acts[name] = (self._forward_id, proj.project_out(x), None if scale is None else scale[1],
+                                     moment_in)
 
     def _on_head_output(self, name: str, scale: float, module: nn.Module, args: tuple, output: Any) -> None:
         pending = self._tied_acts.pop(name, None)
         logits = getattr(output, "logits", None)
         if pending is None or pending[0] != self._forward_id or logits is None or not logits.requires_grad:
             return
-        logits.register_hook(partial(self._on_head_grad, name, pending[0], scale, pending[1], pending[2]))
+        logits.register_hook(partial(self._on_head_grad, name, pending[0], scale, *pending[1:]))
 
     def _on_head_grad(self, name: str, forward_id: int, scale: float, x_BTKo: torch.Tensor,
-                      s_in: torch.Tensor | None, grad: torch.Tensor) -> None:
+                      s_in: torch.Tensor | None, moment_in: Any, grad: torch.Tensor) -> None:
         rec = self._recording(name, False)
         if rec is None:
             return
+        if moment_in is not None and self._moments is not None:
+            moment_in()
         proj = self.projectors[name]
         with _fp32(grad.device.type):
             g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
@@ -518,6 +565,11 @@ class GradientCapture:
         self._active = rec
         try:
             yield rec
+        except BaseException:
+            # a backward that raised never ran its end-of-backward callback: forget the forwards it
+            # covered, or every later re-entrant recompute would be refused
+            self._pending_forwards, self._backward_callback_queued = 0, False
+            raise
         finally:
             self._active = None
             rec._active = False
@@ -649,8 +701,11 @@ class GradientCapture:
 
 class LayerMoments:
     """Per-feature sums of squares of one layer's inputs (``in_sq [I(+1)]``, bias column last; a
-    token table: per-id counts) and output gradients (``out_sq [O]``), over ``tokens`` positions
-    (counted at the forward). Filled by :meth:`GradientCapture.moments`."""
+    token table: per-id counts) and output gradients (``out_sq [O]``), over ``tokens`` positions.
+    Filled by :meth:`GradientCapture.moments`: the input side is measured at the forward and added
+    when that forward's gradient arrives (``measure_*`` return the addition), so a forward that is
+    never backpropagated, or recomputed by non-reentrant activation checkpointing, counts once or
+    not at all, like the output side."""
 
     def __init__(self, n_out: int, n_in: int, *, bias: bool = False):
         self.out_sq = torch.zeros(n_out, dtype=torch.float64)
@@ -658,27 +713,33 @@ class LayerMoments:
         self.tokens = 0
         self.bias = bias
 
-    def add_in(self, a_BTI: torch.Tensor) -> None:
-        sq = a_BTI.square().sum(dim=(0, 1)).double().cpu()
-        self.in_sq[:sq.numel()] += sq
-        if self.bias:
-            self.in_sq[-1] += a_BTI.shape[0] * a_BTI.shape[1]
-        self.tokens += a_BTI.shape[0] * a_BTI.shape[1]
+    def measure_in(self, a_BTI: torch.Tensor) -> Callable[[], None]:
+        sq = a_BTI.square().sum(dim=(0, 1)).double()
+        return partial(self._add_in, sq, a_BTI.shape[0] * a_BTI.shape[1], self.bias)
 
-    def add_ids(self, ids_BT: torch.Tensor, padding_idx: int | None) -> None:
+    def measure_ids(self, ids_BT: torch.Tensor, padding_idx: int | None) -> Callable[[], None]:
         flat = ids_BT.reshape(-1)
         if padding_idx is not None:
             flat = flat[flat != padding_idx]
-        self.in_sq += torch.bincount(flat.cpu(), minlength=self.in_sq.numel()).double()
-        self.tokens += ids_BT.numel()
+        return partial(self._add_in, torch.bincount(flat, minlength=self.in_sq.numel()).double(),
+                       ids_BT.numel(), False)
+
+    def _add_in(self, sq: torch.Tensor, tokens: int, bias: bool) -> None:
+        self.in_sq[:sq.numel()] += sq.cpu()
+        if bias:
+            self.in_sq[-1] += tokens
+        self.tokens += tokens
 
     def add_out(self, g_BTO: torch.Tensor, loss_scale: float) -> None:
         self.out_sq += g_BTO.square().sum(dim=(0, 1)).double().cpu() * loss_scale ** 2
 
     # a tied output head: the table's rows are [d out, V in]; the head sees x (d) and ∂L/∂logits (V)
-    def add_head_in(self, x_BTD: torch.Tensor) -> None:
-        self.out_sq += x_BTD.square().sum(dim=(0, 1)).double().cpu()
-        self.tokens += x_BTD.shape[0] * x_BTD.shape[1]
+    def measure_head_in(self, x_BTD: torch.Tensor) -> Callable[[], None]:
+        return partial(self._add_head_in, x_BTD.square().sum(dim=(0, 1)).double(), x_BTD.shape[0] * x_BTD.shape[1])
+
+    def _add_head_in(self, sq: torch.Tensor, tokens: int) -> None:
+        self.out_sq += sq.cpu()
+        self.tokens += tokens
 
     def add_head_out(self, g_BTV: torch.Tensor, loss_scale: float) -> None:
         self.in_sq += g_BTV.square().sum(dim=(0, 1)).double().cpu() * loss_scale ** 2
