@@ -204,3 +204,72 @@ def test_capture_stats_reach_wandb_offline(data_dir, tmp_path):
         assert key.encode() in blob, key
     lines = [json.loads(x) for x in (run_dir / "tda" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["tda/rows_captured"] == 3 * GBS
+
+
+def _train(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``olmo-tda train`` in one process, whatever its exit status."""
+    cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+
+
+def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tmp_path):
+    """OLMo's start rules, with the TDA outputs kept consistent with the checkpoints: a folder that
+    holds a run needs save_overwrite; a fresh start over it leaves nothing of the old run (store,
+    trajectory, checkpoints); a refused resume leaves the folder as it was; try_load_latest_save
+    resumes. Relative paths are saved absolute, and the metrics stay in tda/ wherever the store is."""
+    run = data_dir / "run_reuse"
+    data = os.path.relpath(data_dir / "data" / "train.npy", tmp_path)
+    args = [a for a in _overrides(data_dir, "run_reuse", 4) if not a.startswith("--data.paths")]
+    args += [f"--data.paths=[{data}]", "--save_interval_unsharded=2", "--tda.trajectory.enabled=true",
+             "--tda.trajectory.every=2", "--tda.store.path=store_elsewhere"]
+
+    def stored(store_dir):
+        block = GradientStore.open(store_dir).read_all(layers=[])
+        return sorted(zip(block.steps.tolist(), block.ids.tolist())), set(block.lr.tolist())
+
+    assert _train(args + ["--optimizer.learning_rate=0.003"], cwd=tmp_path).returncode == 0
+    store_dir = tmp_path / "store_elsewhere"
+    first, lrs = stored(store_dir)
+    assert {s for s, _ in first} == {1, 2, 3, 4} and (run / "step4-unsharded").is_dir()
+    assert (run / "tda" / "metrics.jsonl").is_file() and not (store_dir.parent / "metrics.jsonl").exists()
+    saved = (run / "config.yaml").read_text() + (run / "tda.yaml").read_text()
+    assert str(data_dir / "data" / "train.npy") in saved and str(store_dir) in saved     # absolute
+
+    refused = _train(args + ["--save_overwrite=false"], cwd=tmp_path)
+    assert refused.returncode != 0 and "already holds a run" in refused.stderr + refused.stdout
+    tda_yaml = (run / "tda.yaml").read_bytes()
+    bad_resume = _train(args + [f"--load_path={run / 'step2-unsharded'}", "--tda.capture.seed=7"], cwd=tmp_path)
+    assert bad_resume.returncode != 0 and (run / "tda.yaml").read_bytes() == tda_yaml
+
+    # a fresh start over the old run, 3 steps at another learning rate: nothing of the first is left
+    again = [a.replace("--max_duration=4", "--max_duration=3").replace("--stop_at=4", "--stop_at=3") for a in args]
+    assert _train(again + ["--optimizer.learning_rate=0.03"], cwd=tmp_path).returncode == 0
+    second, lrs2 = stored(store_dir)
+    assert {s for s, _ in second} == {1, 2, 3} and len(second) == len(set(second)) == 3 * GBS
+    assert not (run / "step4-unsharded").exists() and lrs2.isdisjoint(lrs)
+    steps = [json.loads(x)["step"] for x in (run / "tda" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    from olmo_tda.training.trajectory import Trajectory
+    assert [c.step for c in Trajectory.list(run / "tda" / "trajectory")] == [0, 2]
+
+    # try_load_latest_save: on from the latest checkpoint to step 5, each step once
+    more = [a.replace("--max_duration=4", "--max_duration=5").replace("--stop_at=4", "--stop_at=5") for a in args]
+    assert _train(more + ["--try_load_latest_save=true", "--optimizer.learning_rate=0.03"],
+                  cwd=tmp_path).returncode == 0
+    third, _ = stored(store_dir)
+    assert {s for s, _ in third} == {1, 2, 3, 4, 5} and len(third) == len(set(third)) == 5 * GBS
+    for step in range(1, 6):
+        assert sorted(i for s, i in third if s == step) == _expected_ids(run, step).tolist(), step
+
+
+def test_a_failing_rank_ends_the_job_with_its_own_error(data_dir):
+    """Rank 1 raises at step 3: the job ends promptly (no rank waits in a barrier for it until the
+    process group times out) and the output carries the real error."""
+    args = _overrides(data_dir, "run_fault", 6, "--save_interval_unsharded=null")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "_olmo_fault_worker.py"), "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=80, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    assert done.returncode != 0
+    assert "injected: disk full on rank 1" in done.stdout + done.stderr

@@ -103,11 +103,14 @@ def load_configs(path: str | Path, overrides: list[str] | None = None) -> tuple[
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at top level")
     tda_section = raw.pop("tda", None)
+    if tda_section is not None and not isinstance(tda_section, dict):
+        raise ConfigError(f"{path}: tda: expected a section (a mapping such as `tda: {{enabled: true}}`), "
+                          f"got {tda_section!r}")
     tda_overrides = [o for o in overrides if o.lstrip("-").startswith("tda.")]
     olmo_overrides = [_clean_opt(o) for o in overrides if o not in tda_overrides]
     from ..config import apply_overrides
     tda_data = apply_overrides(tda_section if tda_section is not None else {}, tda_overrides, path="tda")
-    tda_cfg = TDAConfig.from_dict(tda_data)
+    TDAConfig.from_dict(tda_data)          # its errors first, before OLMo's loader runs
     # OLMo's loader takes a file: hand it the YAML without our section (interpolations kept as text).
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
         yaml.safe_dump(raw, tmp, sort_keys=False)
@@ -119,7 +122,22 @@ def load_configs(path: str | Path, overrides: list[str] | None = None) -> tuple[
             raise ConfigError(f"{path}: OLMo rejected the config: {e}") from None
     finally:
         os.unlink(tmp.name)
-    return cfg, tda_cfg
+    return cfg, TDAConfig.from_dict(_interpolated(tda_data, cfg, path))
+
+
+def _interpolated(tda_data: dict, cfg: TrainConfig, path: Path) -> dict:
+    """The TDA section with ``${...}`` filled in as OLMo fills its own keys: ``${save_folder}`` and
+    the like name OLMo's (overridden) values, ``${tda.store.path}`` the section's own."""
+    if "${" not in yaml.safe_dump(tda_data):
+        return tda_data
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        root = OmegaConf.create({**OmegaConf.to_container(OmegaConf.structured(cfg)), "tda": tda_data})
+        return OmegaConf.to_container(root.tda, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: tda: cannot fill in an interpolation: {str(e).splitlines()[0]}") from None
 
 
 def _clean_opt(arg: str) -> str:
@@ -156,9 +174,8 @@ class TDATrainer(Trainer):
             itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
             self._row_bytes = itemsize * self.capture.floats_per_example
         if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
-            folder = Path(self.store.path).parent if self.store is not None else tda_dir
-            folder.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = open(folder / "metrics.jsonl", "a", buffering=1)
+            tda_dir.mkdir(parents=True, exist_ok=True)      # here wherever the store is: reports look here
+            self._metrics_file = open(tda_dir / "metrics.jsonl", "a", buffering=1)
         if self.tda.selection.enabled:
             self._start_selection(tda_dir / "selection")
         if self.tda.trajectory.enabled:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -14,8 +15,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ..config import TDAConfig
-from .olmo import TDA_YAML, TDATrainer
+from ..config import ConfigError, TDAConfig
+from .olmo import BASIS_FILE, TDA_YAML, TDATrainer
 
 __all__ = ["train", "init_distributed", "release_distributed"]
 
@@ -148,31 +149,108 @@ def _start_wandb(cfg) -> None:
 
 def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
     """Run OLMo pretraining with TDA as configured (call under torchrun, or plainly for one process).
-    ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step."""
+    ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step.
+
+    As OLMo's own script: a save folder that already holds a run (its ``config.yaml``) needs
+    ``save_overwrite``; ``try_load_latest_save`` resumes from the folder's latest checkpoint. A fresh
+    start with ``save_overwrite`` removes the old run's checkpoints and TDA outputs first, so the new
+    run's store, trajectory and latest checkpoint are never mixed with the old run's. The configs are
+    written once the checkpoint (if any) is restored: a refused resume leaves the folder as it was."""
     from olmo.config import CheckpointType
 
+    if cfg.compile is not None:
+        raise ConfigError("compile: olmo-tda train does not run torch.compile (capture hooks need eager "
+                          "modules); remove the compile section")
     device = init_distributed()
-    if cfg.run_name is None:
-        cfg.run_name = Path(cfg.save_folder).name
-    if dist.get_rank() == 0 and not cfg.dry_run:
-        _save_configs(cfg, tda_cfg)
-    dist.barrier()
-    _start_wandb(cfg)
+    ok = False
     try:
+        if cfg.run_name is None:
+            cfg.run_name = Path(cfg.save_folder).name
+        absolute_paths(cfg, tda_cfg)
+        _choose_start(cfg, tda_cfg)
+        _start_wandb(cfg)
         with build_trainer(cfg, tda_cfg, device, step_callbacks=step_callbacks) as trainer:
             if cfg.load_path is not None:
                 log.info("loading checkpoint %s", cfg.load_path)
                 trainer.restore_checkpoint(cfg.load_path, load_optimizer_state=not cfg.reset_optimizer_state,
                                            load_trainer_state=not cfg.reset_trainer_state)
-            elif not cfg.dry_run and not cfg.no_pre_train_checkpoint:
+            if dist.get_rank() == 0 and not cfg.dry_run:
+                _save_configs(cfg, tda_cfg)
+            if cfg.load_path is not None and cfg.eval_on_load and trainer.evaluators:
+                log.info("evaluating the loaded checkpoint: %s", trainer.eval())
+            elif cfg.load_path is None and not cfg.dry_run and not cfg.no_pre_train_checkpoint:
                 kind = CheckpointType.sharded if cfg.save_num_checkpoints_to_keep != 0 else CheckpointType.unsharded
                 trainer.save_checkpoint(kind)
             if not cfg.dry_run:
                 trainer.fit()
+        dist.barrier()       # only on success: a rank that failed never reaches it, and the others must
+        ok = True            # not wait here for it while its real error goes unreported
     finally:
         import wandb
         if wandb.run is not None:
-            wandb.finish()
-        if dist.is_initialized():
-            dist.barrier()
+            wandb.finish(exit_code=0 if ok else 1)
         release_distributed()
+
+
+def absolute_paths(cfg, tda_cfg: TDAConfig) -> None:
+    """Make the run's local relative paths absolute (from the current directory, where they mean what
+    they say now), so the configs saved with the run work from any directory: OLMo's data paths and
+    the TDA files a user named. Unset TDA paths stay unset: they follow the run folder."""
+    cfg.data.paths = [_absolute(p) for p in cfg.data.paths] if cfg.data.paths else cfg.data.paths
+    for section, key in (("store", "path"), ("trajectory", "path"), ("capture", "basis"), ("selection", "target")):
+        part = getattr(tda_cfg, section)
+        value = getattr(part, key)
+        if value:
+            setattr(part, key, _absolute(value))
+
+
+def _absolute(path) -> str:
+    text = str(path)
+    return text if "://" in text or os.path.isabs(text) else os.path.abspath(text)
+
+
+def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
+    """OLMo's start rules: ``try_load_latest_save`` sets ``load_path`` to the latest checkpoint of the
+    save folder (else of ``remote_save_folder``); a folder that holds a run needs ``save_overwrite``.
+    A fresh start over an old run removes what would otherwise be mixed into the new one."""
+    from olmo.util import find_latest_checkpoint
+
+    folder = Path(cfg.save_folder)
+    if cfg.try_load_latest_save:
+        latest = find_latest_checkpoint(folder) if folder.is_dir() else None
+        if latest is None and cfg.remote_save_folder:
+            latest = find_latest_checkpoint(cfg.remote_save_folder)
+        if latest is not None:
+            log.info("try_load_latest_save: resuming from %s", latest)
+            cfg.load_path = str(latest)
+    held = not cfg.dry_run and (folder / "config.yaml").is_file()
+    if held and not cfg.save_overwrite:
+        raise ConfigError(f"{folder} already holds a run ({folder / 'config.yaml'}): pass --save_overwrite to "
+                          "overwrite it, with --load_path=... or --try_load_latest_save to resume it")
+    # a resume keeps the folder: the store is cut back to the checkpoint when it is restored
+    fresh = held and (cfg.load_path is None or cfg.reset_trainer_state)
+    if fresh and int(os.environ.get("LOCAL_RANK", "0")) == 0:   # once per node (node-local folders)
+        loading = Path(cfg.load_path).resolve() if cfg.load_path and "://" not in str(cfg.load_path) else None
+        stale = [p for p in sorted(folder.glob("step*")) + sorted(folder.glob("latest*"))
+                 if loading is None or p.resolve() != loading]          # not the checkpoint being loaded
+        stale += [p for p in tda_outputs(cfg, tda_cfg) if os.path.lexists(p)]
+        if stale:
+            log.warning("save_overwrite on a fresh start: removing the old run's %s",
+                        ", ".join(p.name for p in stale))
+        for path in stale:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.lexists(path):
+                path.unlink(missing_ok=True)
+    dist.barrier()
+
+
+def tda_outputs(cfg, tda_cfg: TDAConfig) -> list[Path]:
+    """What a run writes under TDA: its store, trajectory, selection log, metrics and (unless the user
+    named one) its eigenbasis."""
+    tda = Path(cfg.save_folder) / "tda"
+    out = [Path(tda_cfg.store.path or tda / "store"), Path(tda_cfg.trajectory.path or tda / "trajectory"),
+           tda / "selection", tda / "metrics.jsonl"]
+    if not tda_cfg.capture.basis:
+        out.append(tda / BASIS_FILE)
+    return out
