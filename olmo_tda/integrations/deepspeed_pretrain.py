@@ -7,20 +7,29 @@ Run (one process, or under a launcher: ``launch/local_deepspeed.sh``, ``launch/s
     python -m olmo_tda.integrations.deepspeed_pretrain configs/deepspeed_tiny.yaml --steps=20 \\
         --deepspeed.zero_optimization.stage=3 --tda.capture.proj_dim=32
 
-The YAML holds ``run_dir``, ``seed``, ``steps``, ``save_every``, ``model`` (OLMo ``ModelConfig``
-fields), ``data`` (``paths`` of uint16 token memmaps — empty builds the demo corpus — and
-``seq_len``), ``deepspeed`` (the DeepSpeed config dict) and ``tda`` (also accepted inside the
-DeepSpeed dict). ``--a.b=c`` overrides any key.
+Without a launcher (neither ``RANK`` nor ``WORLD_SIZE`` set) it is a process group of one, set up as
+torchrun would. The YAML holds ``run_dir``, ``seed``, ``steps``, ``save_every``, ``model`` (OLMo
+``ModelConfig`` fields), ``data`` (``paths`` of uint16 token memmaps — empty builds the demo corpus —
+and ``seq_len``: by default, and necessarily, ``model.max_sequence_length``), ``deepspeed`` (the
+DeepSpeed config dict) and ``tda`` (also accepted inside the DeepSpeed dict). ``--a.b=c`` overrides
+any key. Bad input exits 2 with one ``error:`` line naming the key, before training starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import difflib
 import functools
 import json
 import logging
+import os
+import socket
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, TDAConfig
+from ..config import ConfigError, TDAConfig, to_plain
 from ..training.selection import DataOrder
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
@@ -58,29 +67,147 @@ class CausalLM(nn.Module):
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The run YAML with ``--a.b=c`` overrides applied (OmegaConf), checked, as a plain dict."""
-    from omegaconf import OmegaConf
+    """The run YAML with ``--a.b=c`` overrides applied (OmegaConf), checked, as a plain dict.
+
+    Checked before any process group starts: every key is known (a misspelt one names the closest
+    valid one), ``steps``/``seed``/``save_every`` are integers, ``model`` builds an OLMo model,
+    ``data.seq_len`` (default: ``model.max_sequence_length``) equals ``model.max_sequence_length``
+    so that ``olmo-tda attribute`` can decode the run's passages, and ``tda`` parses. Raises
+    :class:`ConfigError` (one line: the file and the key path) otherwise."""
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
+    dotlist = []
+    for item in overrides or []:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text or text.startswith("="):
+            raise ConfigError(f"override {item!r}: expected --key=value, e.g. --steps=20")
+        try:
+            OmegaConf.from_dotlist([text])
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({_one_line(e)})") from None
+        dotlist.append(text)
     try:
-        cfg = OmegaConf.merge(OmegaConf.load(path),
-                              OmegaConf.from_dotlist([o[2:] if o.startswith("--") else o for o in overrides or []]))
-        data = OmegaConf.to_container(cfg, resolve=True)
+        loaded = OmegaConf.load(path)
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{path}: expected a mapping at top level, got a list")
+        data = OmegaConf.to_container(OmegaConf.merge(loaded, OmegaConf.from_dotlist(dotlist)), resolve=True)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({_one_line(e)})") from None
     except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+    try:
+        return _check_config(data)
+    except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    known = {"run_dir", "seed", "steps", "save_every", "model", "data", "deepspeed", "tda", "tokenizer"}
-    unknown = sorted(set(data) - known)
+
+
+_TOP_LEVEL = ("run_dir", "seed", "steps", "save_every", "model", "data", "deepspeed", "tda", "tokenizer")
+_DATA_KEYS = ("paths", "seq_len")
+_DEEPSPEED_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _check_config(data: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(data) - set(_TOP_LEVEL))
     if unknown:
-        raise ConfigError(f"{path}: unknown top-level keys {unknown}; expected {sorted(known)}")
+        hints = [f"'{c[0]}' for '{k}'" for k in unknown for c in [difflib.get_close_matches(k, _TOP_LEVEL, n=1)] if c]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        raise ConfigError(f"unknown top-level keys {unknown}{hint}; expected {sorted(_TOP_LEVEL)}")
     for key in ("run_dir", "steps", "model", "deepspeed"):
         if data.get(key) in (None, ""):
-            raise ConfigError(f"{path}: '{key}' is required")
-    if "tda" in data and "tda" in data["deepspeed"]:
-        raise ConfigError(f"{path}: give the tda section once, at top level or inside 'deepspeed', not both")
-    return data
+            raise ConfigError(f"'{key}' is required")
+    run_dir = data["run_dir"]
+    if not isinstance(run_dir, (str, int)) or isinstance(run_dir, bool):
+        raise ConfigError(f"run_dir: expected a folder path, got {run_dir!r}")
+    out = {**data, "run_dir": str(run_dir), "steps": _integer(data, "steps", minimum=1),
+           "seed": _integer(data, "seed", minimum=0), "save_every": _integer(data, "save_every", minimum=0)}
+    if not isinstance(data.get("tokenizer"), (str, type(None))):
+        raise ConfigError(f"tokenizer: expected a tokenizer identifier, got {data['tokenizer']!r}")
+    for key in ("model", "deepspeed", "data", "tda"):
+        if not isinstance(data.get(key) or {}, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {data[key]!r}")
+    out["model"], max_len = _check_model(data["model"])
+    out["data"] = _check_data(data.get("data") or {}, max_len)
+    ds_config = dict(data["deepspeed"])
+    for key in _DEEPSPEED_BATCH_KEYS:   # DeepSpeed compares them with numbers unchecked (a TypeError)
+        if key in ds_config and (not isinstance(ds_config[key], int) or isinstance(ds_config[key], bool)
+                                 or ds_config[key] < 1):
+            raise ConfigError(f"deepspeed.{key}: expected an integer >= 1, got {ds_config[key]!r}")
+    if "tda" in data and "tda" in ds_config:
+        raise ConfigError("give the tda section once, at top level or inside 'deepspeed', not both")
+    tda = TDAConfig.from_dict(data["tda"] if "tda" in data else ds_config.pop("tda", None))
+    target = tda.selection.target
+    if tda.enabled and tda.selection.enabled and target and not Path(target).is_file():
+        raise ConfigError(f"tda.selection.target: no such file {target!r}")
+    out["deepspeed"], out["tda"] = ds_config, tda.to_dict()
+    return out
+
+
+def _integer(data: dict[str, Any], key: str, *, minimum: int) -> int:
+    value = data.get(key)
+    if value is None:   # seed, save_every (steps is required)
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{key}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_model(section: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``section`` checked against OLMo's ``ModelConfig`` (as OLMo's own loader checks it: key
+    names, types, enum values) and built once on the meta device; returns it with the values
+    converted (``"128"`` -> 128) and the model's ``max_sequence_length``."""
+    from olmo.config import ModelConfig
+    from olmo.model import OLMo
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    for key in section:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else "; see olmo.config.ModelConfig for the fields"
+            raise ConfigError(f"model.{key}: unknown key{hint}")
+    try:
+        model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), section))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"model.{e.full_key}: {str(e).splitlines()[0]}") from None
+    try:   # the meta device allocates nothing: any failure here is OLMo refusing the config
+        OLMo(dataclasses.replace(model_cfg, init_device="meta"))
+    except Exception as e:  # noqa: BLE001 -- OLMo checks with asserts and arithmetic as well as its own error
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ConfigError(f"model: OLMo cannot build this model: {': '.join(filter(None, (type(e).__name__, str(e))))} "
+                          f"(at {Path(where.filename).name}:{where.lineno}: {where.line})") from None
+    return {k: to_plain(getattr(model_cfg, k)) for k in section}, model_cfg.max_sequence_length
+
+
+def _check_data(section: dict[str, Any], max_len: int) -> dict[str, Any]:
+    for key in section:
+        if key not in _DATA_KEYS:
+            close = difflib.get_close_matches(str(key), _DATA_KEYS, n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(_DATA_KEYS)}"
+            raise ConfigError(f"data.{key}: unknown key{hint}")
+    paths = section.get("paths") or []
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ConfigError(f"data.paths: expected a list of token files, e.g. --data.paths=[a.npy,b.npy], got {paths!r}")
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ConfigError(f"data.paths: no such file(s) {missing}")
+    seq_len = max_len if section.get("seq_len") is None else section["seq_len"]
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+        raise ConfigError(f"data.seq_len: expected an integer >= 2, got {seq_len!r}")
+    if seq_len != max_len:
+        # The run's passages are decoded by index in rows of model.max_sequence_length at query time.
+        raise ConfigError(f"data.seq_len {seq_len} != model.max_sequence_length {max_len}: set both to the same "
+                          f"length (e.g. --data.seq_len={max_len}), or `olmo-tda attribute` cannot query the run")
+    return {"paths": paths, "seq_len": seq_len}
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 class TokenData:
@@ -123,9 +250,6 @@ def _epoch_order(seed: int, epoch: int, num: int) -> np.ndarray:
 def _prepare_data(cfg: dict[str, Any], run_dir: Path, rank: int) -> list[str]:
     paths = list((cfg.get("data") or {}).get("paths") or [])
     if paths:
-        missing = [p for p in paths if not Path(p).is_file()]
-        if missing:
-            raise ConfigError(f"data.paths: no such file(s) {missing}")
         return paths
     import torch.distributed as dist
 
@@ -140,18 +264,61 @@ def _prepare_data(cfg: dict[str, Any], run_dir: Path, rank: int) -> list[str]:
     return [str(target)]
 
 
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun and the deepspeed launcher set in every process; DeepSpeed needs all of them."""
+_OTHER_LAUNCHERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE",
+                    "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV")
+"""Launchers whose processes DeepSpeed discovers itself (MPI via mpi4py, AzureML, SageMaker)."""
+
+
+@contextlib.contextmanager
+def _launch_env() -> Iterator[None]:
+    """A plain ``python -m`` run (no launcher: neither RANK nor WORLD_SIZE set) is a process group of
+    one, set up as torchrun would (a free local port); without it DeepSpeed looks for MPI. The
+    variables set here are removed again afterwards."""
+    present = [k for k in _LAUNCH_ENV if k in os.environ]
+    if any(k in os.environ for k in _OTHER_LAUNCHERS) or len(present) == len(_LAUNCH_ENV):
+        yield
+        return
+    if "RANK" in present or "WORLD_SIZE" in present:
+        missing = [k for k in _LAUNCH_ENV if k not in present]
+        raise ConfigError(f"launcher environment: {', '.join(present)} set but {', '.join(missing)} not; start under "
+                          "torchrun or the deepspeed launcher, or unset them all to run as a single process")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    added = {k: v for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT=str(port)).items() if k not in os.environ}
+    log.info("no launcher: training as a single process (%s)", " ".join(f"{k}={v}" for k, v in added.items()))
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 def train(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Train per ``cfg`` (see :func:`load_config`); returns a summary dict."""
+    """Train per ``cfg`` (see :func:`load_config`); returns a summary dict. Under a launcher (torchrun,
+    the deepspeed launcher) one process per rank; without one, a single process."""
+    with _launch_env():
+        return _train(cfg)
+
+
+def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
     import torch.distributed as dist
     from olmo.config import ModelConfig
 
     from .deepspeed import attach
 
+    run_dir = Path(cfg["run_dir"])
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run_dir: cannot create {run_dir}: {e.strerror or e}") from None
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    run_dir = Path(cfg["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
     ds_config = dict(cfg["deepspeed"])
     tda_section = cfg.get("tda", ds_config.pop("tda", None)) or {}
     tda = TDAConfig.from_dict(tda_section)
@@ -161,19 +328,24 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
         (run_dir / "config.json").write_text(json.dumps({**cfg, "tda": tda.to_dict()}, indent=2))
 
     torch.manual_seed(int(cfg.get("seed", 0)))
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    stage = _check_deepspeed_config(ds_config)
+    data_paths = _prepare_data(cfg, run_dir, rank)
+    data = TokenData(data_paths, int(cfg["data"]["seq_len"]))
+    if len(data) == 0:
+        raise ConfigError(f"data.paths: {data_paths} hold no full row of data.seq_len={data.seq_len} tokens")
     model_cfg = ModelConfig(**{"init_device": "cpu", **cfg["model"]})
     with deepspeed.zero.Init(enabled=stage == 3, config_dict_or_path=ds_config):
         model = CausalLM(model_cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
     session = attach(engine, tda)
-    data_paths = _prepare_data(cfg, run_dir, rank)
-    data = TokenData(data_paths, int(cfg["data"]["seq_len"]))
     if rank == 0:   # what `olmo-tda attribute RUN` needs to open this run (DeepSpeedRun)
         from ..demo.data import BYTE_TOKENIZER_ID
 
         tokenizer = cfg.get("tokenizer") or (BYTE_TOKENIZER_ID if not (cfg.get("data") or {}).get("paths") else None)
+        if tokenizer is None:
+            log.warning("no `tokenizer:` for data.paths: `olmo-tda attribute %s` will not be able to encode queries",
+                        run_dir)
         (run_dir / RUN_JSON).write_text(json.dumps({
             "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
@@ -182,6 +354,10 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     if (ckpt / "latest").exists():
         engine.load_checkpoint(str(ckpt))          # tda resumes its store from the checkpoint too
         log.info("resumed from %s at step %d", ckpt, engine.global_steps)
+        if engine.global_steps > int(cfg["steps"]):   # a checkpoint tagged step{steps} would hold a later step
+            session.close()
+            raise ConfigError(f"steps: {cfg['steps']} is below the step {engine.global_steps} of the checkpoint in "
+                              f"{ckpt}; give --steps >= {engine.global_steps}, or a new run_dir to start over")
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     steps, save_every = int(cfg["steps"]), int(cfg.get("save_every") or 0)
@@ -229,6 +405,34 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def _check_deepspeed_config(ds_config: dict[str, Any]) -> int:
+    """DeepSpeed's own check of ``ds_config`` (with this world size), as a :class:`ConfigError`
+    naming the key; returns the ZeRO stage."""
+    import copy
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    try:
+        return int(DeepSpeedConfig(copy.deepcopy(ds_config)).zero_optimization_stage)
+    except ValidationError as e:   # one of DeepSpeed's sections (pydantic models): find its key path
+        err = e.errors()[0]
+        key = ".".join(map(str, err["loc"]))
+        paths = [p for p in _key_paths(ds_config, err["loc"][-1], err.get("input")) if p.endswith(key)] if key else []
+        where = f"deepspeed.{paths[0]}" if len(paths) == 1 else f"deepspeed ({e.title}.{key})"
+        raise ConfigError(f"{where}: {err['msg']} (got {err.get('input')!r})") from None
+    except (AssertionError, TypeError, ValueError) as e:   # its checks across keys (batch sizes, precisions)
+        raise ConfigError(f"deepspeed: DeepSpeed rejected the config: {_one_line(e) or type(e).__name__}") from None
+
+
+def _key_paths(tree: Any, key: Any, value: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of ``key`` holding ``value`` anywhere in the nested dict ``tree``."""
+    if not isinstance(tree, dict):
+        return []
+    found = [f"{prefix}{k}" for k, v in tree.items() if k == key and v == value]
+    return found + [p for k, v in tree.items() for p in _key_paths(v, key, value, f"{prefix}{k}.")]
+
+
 def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData, data_order: DataOrder,
                      cfg: dict[str, Any], run_dir: Path):
     from ..demo.corpus import ByteTokenizer
@@ -243,8 +447,12 @@ def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData,
         if Path(tda.selection.target).suffix in (".txt", ".jsonl") and not byte_data:
             raise ConfigError("tda.selection.target: this script tokenizes target texts with the byte tokenizer only; "
                               "give a token file (.npy ids or a uint16 memmap) for other tokenizers")
-        target = load_target(tda.selection.target, seq_len, ByteTokenizer().encode, num=tda.selection.target_examples,
-                             eos_token_id=int(cfg["model"].get("eos_token_id", 256)))
+        eos = int(cfg["model"].get("eos_token_id", 256))
+        try:
+            target = load_target(tda.selection.target, seq_len, ByteTokenizer().encode,
+                                 num=tda.selection.target_examples, eos_token_id=eos)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"tda.selection.target: {e}") from None
     return DeepSpeedSelection(engine, tda.selection, order=data_order, seq_len=seq_len,
                               fetch=lambda ids: data.batch(ids)["input_ids"],
                               forward=lambda m, ids: m.olmo(ids).logits, log_folder=run_dir / "tda" / "selection",
@@ -278,8 +486,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import os
-
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary))
     return 0

@@ -1,0 +1,154 @@
+"""The DeepSpeed example script's command line (``python -m olmo_tda.integrations.deepspeed_pretrain``):
+the README's plain single-process command trains (no launcher, no MPI), and every bad input is refused
+before training with one ``error:`` line naming the key, never a traceback. The 2-rank run, resume and
+queries are in ``test_deepspeed.py``. All tests here have ``deepspeed`` in their names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from olmo_tda.config import ConfigError
+
+pytest.importorskip("deepspeed")
+
+from olmo_tda.integrations import deepspeed_pretrain as script  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepspeed_tiny.yaml"
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+              "ROLE_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
+              "MV2_COMM_WORLD_SIZE", "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV")
+"""What a launcher (torchrun, deepspeed, MPI, AzureML, SageMaker) sets: none of it in a plain run."""
+SMALL = ["--model.d_model=32", "--model.embedding_size=257", "--model.max_sequence_length=32", "--data.seq_len=32",
+         "--deepspeed.train_micro_batch_size_per_gpu=2", "--tda.capture.proj_dim=8"]
+
+
+def run_script(tmp_path: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """The script as the README runs it: ``python -m``, no launcher variables in the environment."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    return subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", str(CONFIG), *args],
+                          capture_output=True, text=True, timeout=timeout, env={**env, "OMP_NUM_THREADS": "1"},
+                          cwd=tmp_path)
+
+
+def error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
+    """No RANK/WORLD_SIZE (plain ``python -m``): a process group of one (DeepSpeed would look for
+    MPI otherwise), a queryable run; a rerun asking for fewer steps than its checkpoint is refused."""
+    done = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=2", "--save_every=2", *SMALL)
+    assert done.returncode == 0, done.stderr[-6000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 1 and summary["steps"] == 2 and summary["tda"]["steps_committed"] == 2
+    assert "no launcher: training as a single process" in done.stderr
+    run = tmp_path / "run"
+    assert (run / script.WEIGHTS_FILE).is_file() and (run / "checkpoints" / "latest").is_file()
+    run_json = json.loads((run / script.RUN_JSON).read_text())
+    assert run_json["seq_len"] == run_json["model"]["max_sequence_length"] == 32
+    again = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=1", *SMALL)
+    assert again.returncode == 2
+    assert "steps: 1 is below the step 2 of the checkpoint" in error_line(again.stderr)
+
+
+def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_path):
+    """Refusals that need the process group (DeepSpeed checks its config against the world size;
+    the data rows are counted): exit 2 with the key path, no traceback."""
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"\x01\x00" * 10)       # 10 tokens: not one row of 32
+    cases = {"--deepspeed.zero_optimization.stagee=3": "deepspeed.zero_optimization.stagee: Extra inputs are not",
+             "--deepspeed.train_batch_size=7": "deepspeed: DeepSpeed rejected the config: Check batch related",
+             f"--data.paths=[{short}]": "data.paths: ['" + str(short) + "'] hold no full row of data.seq_len=32"}
+    for override, message in cases.items():
+        done = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=1", *SMALL, override)
+        assert done.returncode == 2 and message in error_line(done.stderr), (override, done.stderr[-3000:])
+        assert not (tmp_path / "run" / script.RUN_JSON).exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.d_modell=128"], "model.d_modell: unknown key; did you mean 'd_model'?"),
+    (["--steps=abc"], "steps: expected an integer >= 1, got 'abc'"),
+    (["--steps=0"], "steps: expected an integer >= 1, got 0"),
+    (["--save_every=often"], "save_every: expected an integer >= 0, got 'often'"),
+    (["--seed=-1"], "seed: expected an integer >= 0, got -1"),
+    (["--stepz=3"], "unknown top-level keys ['stepz'] (did you mean 'steps' for 'stepz'?)"),
+    (["--steps", "20"], "override '--steps': expected --key=value, e.g. --steps=20"),
+    (["--steps=[20"], "override '--steps=[20': value is not valid YAML"),
+    (["--model=3"], "model: expected a mapping, got 3"),
+    (["--deepspeed=3"], "deepspeed: expected a mapping, got 3"),
+    (["--model.d_model=abc"], "model.d_model: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["--model.init_fn=normall"], "model.init_fn: Invalid value 'normall', expected one of"),
+    (["--model.d_model=130"], "model: OLMo cannot build this model: AssertionError (at model.py:"),
+    (["--model.embedding_size=100"], "model: OLMo cannot build this model: OLMoConfigurationError: embedding size"),
+    (["--data.path=[a.npy]"], "data.path: unknown key; did you mean 'paths'?"),
+    (["--data.paths=a.npy"], "data.paths: expected a list of token files, e.g. --data.paths=[a.npy,b.npy], got 'a."),
+    (["--data.paths=[a.npy]"], "data.paths: no such file(s) ['a.npy']"),
+    (["--data.seq_len=32"], "data.seq_len 32 != model.max_sequence_length 64: set both to the same length"),
+    (["--model.max_sequence_length=32"], "data.seq_len 64 != model.max_sequence_length 32"),
+    (["--deepspeed.train_micro_batch_size_per_gpu=abc"], "deepspeed.train_micro_batch_size_per_gpu: expected an"),
+    (["--tda.capture.proj_dimm=8"], "tda.capture.proj_dimm: unknown key; did you mean 'proj_dim'?"),
+    (["--tda.selection.enabled=true", "--tda.selection.target=none.txt"], "tda.selection.target: no such file"),
+])
+def test_deepspeed_pretrain_bad_value_is_one_line_error_naming_the_key(tmp_path, capsys, monkeypatch, overrides,
+                                                                       message):
+    """Checked before any process group or DeepSpeed starts: exit 2 and one ``error:`` line."""
+    monkeypatch.chdir(tmp_path)
+    assert script.main([str(CONFIG), f"--run_dir={tmp_path / 'run'}", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in error_line(err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_deepspeed_pretrain_unwritable_run_dir_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert script.main([str(CONFIG), f"--run_dir={tmp_path / 'file' / 'run'}"]) == 2
+    assert f"run_dir: cannot create {tmp_path / 'file' / 'run'}: " in error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("text, message", [("a: [1\n", "not valid YAML"), ("- 1\n", "expected a mapping at top level"),
+                                           ("", "'run_dir' is required")])
+def test_deepspeed_pretrain_bad_yaml_file_is_one_line_error(tmp_path, capsys, text, message):
+    (tmp_path / "run.yaml").write_text(text)
+    assert script.main([str(tmp_path / "run.yaml")]) == 2
+    assert message in error_line(capsys.readouterr().err)
+
+
+def test_deepspeed_pretrain_data_seq_len_defaults_to_the_models(tmp_path):
+    """The one data.seq_len a queryable run can have; the model values come back as OLMo types them."""
+    cfg = script.load_config(CONFIG, ["--data.seq_len=null", "--model.max_sequence_length=32", "--model.d_model=32",
+                                      f"--run_dir={tmp_path}"])
+    assert cfg["data"] == {"paths": [], "seq_len": 32}
+    assert cfg["model"]["d_model"] == 32 and cfg["model"]["init_fn"] == "normal"
+    with pytest.raises(ConfigError, match=r"data\.seq_len 32 != model\.max_sequence_length 64"):
+        script.load_config(CONFIG, ["--data.seq_len=32"])
+
+
+def test_deepspeed_pretrain_launch_env_is_one_process_then_restored(monkeypatch):
+    """Without a launcher the process group of one is set up as torchrun would, and undone after;
+    a half-set launcher environment is refused naming what is missing; a full one is left alone."""
+    for key in LAUNCH_ENV:
+        monkeypatch.delenv(key, raising=False)
+    with script._launch_env():
+        assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == \
+            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        assert 0 < int(os.environ["MASTER_PORT"]) < 65536
+    assert not any(k in os.environ for k in LAUNCH_ENV)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match="launcher environment: RANK set but WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, "
+                                          "MASTER_PORT not"):
+        with script._launch_env():
+            pass
+    full = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="1234")
+    for key, value in full.items():
+        monkeypatch.setenv(key, value)
+    with script._launch_env():
+        assert {k: os.environ[k] for k in full} == full
