@@ -222,11 +222,20 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
     data = os.path.relpath(data_dir / "data" / "train.npy", tmp_path)
     args = [a for a in _overrides(data_dir, "run_reuse", 4) if not a.startswith("--data.paths")]
     args += [f"--data.paths=[{data}]", "--save_interval_unsharded=2", "--tda.trajectory.enabled=true",
-             "--tda.trajectory.every=2", "--tda.store.path=store_elsewhere"]
+             "--tda.trajectory.schedule=lr", "--tda.trajectory.every=2", "--tda.store.path=store_elsewhere"]
+    from olmo_tda.config import TrajectoryConfig
+    from olmo_tda.training.trajectory import Trajectory
 
     def stored(store_dir):
         block = GradientStore.open(store_dir).read_all(layers=[])
         return sorted(zip(block.steps.tolist(), block.ids.tolist())), set(block.lr.tolist())
+
+    def uninterrupted_trajectory(store_dir):
+        """The steps schedule `lr` keeps in one uninterrupted pass over the stored steps' lrs."""
+        block = GradientStore.open(store_dir).read_all(layers=[])
+        lr = dict(zip(block.steps.tolist(), block.lr.tolist()))
+        sim = Trajectory(TrajectoryConfig(enabled=True, schedule="lr", every=2), tmp_path / "sim")
+        return [s for s in range(max(lr) + 1) if sim.due(s, lr.get(s, 0.0))]
 
     assert _train(args + ["--optimizer.learning_rate=0.003"], cwd=tmp_path).returncode == 0
     store_dir = tmp_path / "store_elsewhere"
@@ -242,25 +251,28 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
     bad_resume = _train(args + [f"--load_path={run / 'step2-unsharded'}", "--tda.capture.seed=7"], cwd=tmp_path)
     assert bad_resume.returncode != 0 and (run / "tda.yaml").read_bytes() == tda_yaml
 
-    # a fresh start over the old run, 3 steps at another learning rate: nothing of the first is left
-    again = [a.replace("--max_duration=4", "--max_duration=3").replace("--stop_at=4", "--stop_at=3") for a in args]
+    # a fresh start over the old run, 2 steps at another learning rate: nothing of the first is left
+    again = [a.replace("--max_duration=4", "--max_duration=2").replace("--stop_at=4", "--stop_at=2") for a in args]
     assert _train(again + ["--optimizer.learning_rate=0.03"], cwd=tmp_path).returncode == 0
     second, lrs2 = stored(store_dir)
-    assert {s for s, _ in second} == {1, 2, 3} and len(second) == len(set(second)) == 3 * GBS
+    assert {s for s, _ in second} == {1, 2} and len(second) == len(set(second)) == 2 * GBS
     assert not (run / "step4-unsharded").exists() and lrs2.isdisjoint(lrs)
     steps = [json.loads(x)["step"] for x in (run / "tda" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
-    from olmo_tda.training.trajectory import Trajectory
-    assert [c.step for c in Trajectory.list(run / "tda" / "trajectory")] == [0, 2]
+    assert steps == [1, 2]
+    assert [c.step for c in Trajectory.list(run / "tda" / "trajectory")] == uninterrupted_trajectory(store_dir)
 
-    # try_load_latest_save: on from the latest checkpoint to step 5, each step once
-    more = [a.replace("--max_duration=4", "--max_duration=5").replace("--stop_at=4", "--stop_at=5") for a in args]
+    # try_load_latest_save: on from the latest checkpoint to step 8, each step once
+    more = [a.replace("--max_duration=4", "--max_duration=8").replace("--stop_at=4", "--stop_at=8") for a in args]
     assert _train(more + ["--try_load_latest_save=true", "--optimizer.learning_rate=0.03"],
                   cwd=tmp_path).returncode == 0
     third, _ = stored(store_dir)
-    assert {s for s, _ in third} == {1, 2, 3, 4, 5} and len(third) == len(set(third)) == 5 * GBS
-    for step in range(1, 6):
+    assert {s for s, _ in third} == set(range(1, 9)) and len(third) == len(set(third)) == 8 * GBS
+    for step in range(1, 9):
         assert sorted(i for s, i in third if s == step) == _expected_ids(run, step).tolist(), step
+    # the lr schedule's sums (mid-way at step 2, under warmup) came back with the checkpoint: the same
+    # steps as one uninterrupted pass (restarted sums keep [0, 5, ...] here)
+    kept = [c.step for c in Trajectory.list(run / "tda" / "trajectory")]
+    assert kept == uninterrupted_trajectory(store_dir) and kept[-1] > 2, kept
 
 
 def test_a_failing_rank_ends_the_job_with_its_own_error(data_dir):

@@ -2,8 +2,8 @@
 
 Oracles: the saved checkpoints read with safetensors directly, per-example gradients of each
 example's summed next-token CE from ``torch.func.vmap(grad)``, learning rates from the checkpoints'
-own metadata, OLMo's data order from its ``global_indices.npy``, and OLMo's per-device token
-normalization (batch × seq) as the loss scale.
+own metadata and the store's per-step records, OLMo's data order from its ``global_indices.npy``,
+and OLMo's per-device token normalization (batch × seq) as the loss scale.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from olmo_tda.config import TrajectoryConfig
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
 from olmo_tda.demo.data import write_memmap
 from olmo_tda.methods.tracin import nearest_checkpoint, tracin_cp
-from olmo_tda.training.trajectory import Trajectory, TrajectoryCheckpoint
+from olmo_tda.training.trajectory import Trajectory, TrajectoryError
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GBS, D_MODEL = 32, 8, 128
@@ -105,6 +105,10 @@ def test_trajectory_checkpoints_follow_the_schedule_and_hold_what_tracin_needs(r
     block = GradientStore.open(runs["exact"] / "tda" / "store").read_all(layers=[])
     for c in ckpts[1:]:
         assert np.allclose(block.lr[block.steps == c.step], c.lr, rtol=1e-12)
+    # and of step s+1, the step that used gradients at θ_s (warmup: 20 steps, so they differ)
+    for c in ckpts[:-1]:
+        assert np.allclose(block.lr[block.steps == c.step + 1], c.next_lrs[0], rtol=1e-12)
+    assert ckpts[1].next_lrs[0] > ckpts[1].lr and ckpts[-1].next_lrs is None
 
 
 def test_tracin_cp_equals_brute_force_from_the_saved_checkpoints(runs):
@@ -116,11 +120,15 @@ def test_tracin_cp_equals_brute_force_from_the_saved_checkpoints(runs):
     assert np.array_equal(got_ids, ids)
     model, layers = _model(runs["exact"]), list(run.store.layers)
     data = torch.from_numpy(np.memmap(runs["data"], dtype=np.uint16, mode="r").reshape(-1, SEQ)[ids].astype(np.int64))
+    # θ_s weighted by η_{s+1} as the store recorded it (the last checkpoint, 50, by η_50)
+    from olmo_tda.store import GradientStore
+
+    block = GradientStore.open(runs["exact"] / "tda" / "store").read_all(layers=[])
     want = 0
     for ckpt in Trajectory.list(runs["exact"] / "tda" / "trajectory"):
-        meta = json.loads((ckpt.path / "meta.json").read_text())
+        eta = block.lr[block.steps == min(ckpt.step + 1, 50)][0]
         weights = _checkpoint_weights(ckpt.path)
-        want = want + meta["lrs"][0] * _dot(_exact(model, weights, _query_tokens(), layers),
+        want = want + eta * _dot(_exact(model, weights, _query_tokens(), layers),
                                             _exact(model, weights, data, layers), layers)
     assert rel_err(scores, want) < 1e-5
 
@@ -174,8 +182,8 @@ def test_interrupted_tracin_cp_resumes_to_the_same_scores(tmp_path):
     """Per-checkpoint scores are kept in the work dir: a pass that dies after two checkpoints,
     rerun, computes only the rest and returns exactly an uninterrupted pass's scores."""
     gen = torch.Generator().manual_seed(0)
-    ckpts = [TrajectoryCheckpoint(path=tmp_path, step=s, tokens_seen=0, lrs=[0.1 / (s + 1)], data_order_version=0,
-                                  projector_hash="h", dtype="float32", bytes=0) for s in range(4)]
+    traj = Trajectory(TrajectoryConfig(enabled=True, every=1), tmp_path / "traj")
+    ckpts = [traj.save(s, {"w": torch.full((2,), float(s))}, lrs=[0.1 / (s + 1)], tokens_seen=0) for s in range(4)]
     queries = {s: {"a": torch.randn(2, 3, 4, generator=gen)} for s in range(4)}
     train = {s: {"a": torch.randn(10, 3, 4, generator=gen)} for s in range(4)}
     calls = []
@@ -196,7 +204,8 @@ def test_interrupted_tracin_cp_resumes_to_the_same_scores(tmp_path):
                               work_dir=tmp_path / "work", fingerprint={"q": 1})
     assert calls == [2, 3]                      # checkpoints 0 and 1 were not recomputed
     assert torch.equal(resumed, full) and np.array_equal(ids, ids2)
-    brute = sum(c.lr * (queries[c.step]["a"].reshape(2, -1).double() @ train[c.step]["a"].reshape(10, -1).double().T)
+    brute = sum(0.1 / (c.step + 1)
+                * (queries[c.step]["a"].reshape(2, -1).double() @ train[c.step]["a"].reshape(10, -1).double().T)
                 for c in ckpts)
     assert rel_err(full, brute) < 1e-12
 
@@ -254,3 +263,175 @@ def test_an_interrupted_tracin_cp_pass_over_a_run_resumes_to_the_same_scores(run
     shutil.rmtree(cache)
     fresh, _ = run.tracin(QUERIES, ids=ids)
     assert torch.equal(resumed, fresh)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(3, 3, generator=torch.Generator().manual_seed(seed))}
+
+
+def test_tracin_cp_rescores_a_rewritten_checkpoint_and_only_that_one(tmp_path):
+    """The resume cache is keyed by each checkpoint's content: a checkpoint rewritten at the same step
+    with the same lr (a retrain over the folder, a resumed run) or whose weights file was replaced
+    by other means (same size, mtime put back) is scored again; the others come from the cache.
+    "Gradients" are the weights themselves, so the oracle is a sum over the tensors written."""
+    traj_dir, scale = tmp_path / "traj", torch.arange(1.0, 5.0)
+    written = {s: _weights(s) for s in range(3)}
+    for s, w in written.items():
+        Trajectory(TrajectoryConfig(enabled=True, every=1), traj_dir).save(s, w, lrs=[0.1 * (s + 1)], tokens_seen=0)
+    calls = []
+
+    def train_at(c):
+        calls.append(c.step)
+        w = c.load()["w"]
+        yield np.arange(4), {"w": w[None].repeat(4, 1, 1) * scale[:, None, None]}
+
+    def score():
+        calls.clear()
+        ckpts = Trajectory.list(traj_dir)
+        got, _ = tracin_cp(ckpts, lambda c: {"w": c.load()["w"][None]}, train_at, layers=["w"],
+                           work_dir=tmp_path / "work", fingerprint={"q": 1})
+        want = sum(0.1 * (s + 1) * (w["w"].double() ** 2).sum() * scale.double() for s, w in written.items())
+        assert rel_err(got[0], want) < 1e-6
+        return list(calls)
+
+    assert score() == [0, 1, 2]
+    assert score() == []                                   # all cached
+    written[1] = _weights(100)                             # rewritten: same step, same lr, other weights
+    Trajectory(TrajectoryConfig(enabled=True, every=1), traj_dir).save(1, written[1], lrs=[0.2], tokens_seen=0)
+    assert score() == [1]
+    from safetensors.torch import save_file
+
+    f = traj_dir / "step00000002" / "model.safetensors"   # replaced behind the trajectory's back
+    before = f.stat()
+    written[2] = _weights(200)
+    save_file(written[2], str(f))
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert f.stat().st_size == before.st_size and f.stat().st_mtime_ns == before.st_mtime_ns
+    assert score() == [2]
+    assert sorted(p.name[:12] for p in (tmp_path / "work").rglob("*.npz")) == [f"step0000000{s}" for s in range(3)]
+
+
+def test_tracin_cp_weights_each_checkpoint_by_the_lr_of_the_step_that_used_it(tmp_path):
+    """θ_s's gradient feeds step s+1, so TracIn-CP weights θ_s by η_{s+1} (θ_0 by η_1, as before);
+    the last checkpoint, which no step used, keeps its own step's lr."""
+    lr = {s: 1e-3 * s for s in range(1, 10)}                # warmup: every step's lr differs
+    traj = Trajectory(TrajectoryConfig(enabled=True, every=3), tmp_path / "traj")
+    traj.maybe_save(0, _weights(0), lrs=[lr[1]], tokens_seen=0)
+    for s in range(1, 10):
+        traj.maybe_save(s, _weights(s), lrs=[lr[s]], tokens_seen=s)
+    ckpts = Trajectory.list(tmp_path / "traj")
+    assert [c.step for c in ckpts] == [0, 3, 6, 9]
+    assert [c.lr for c in ckpts] == [lr[1], lr[3], lr[6], lr[9]]
+    assert [c.next_lrs for c in ckpts] == [[lr[1]], [lr[4]], [lr[7]], None]
+    eta = [lr[1], lr[4], lr[7], lr[9]]
+    assert [c.tracin_lr for c in ckpts] == eta
+    got, _ = tracin_cp(ckpts, lambda c: {"w": c.load()["w"][None]},
+                       lambda c: iter([(np.arange(1), {"w": c.load()["w"][None]})]), layers=["w"])
+    want = sum(e * (_weights(s)["w"].double() ** 2).sum() for e, s in zip(eta, (0, 3, 6, 9)))
+    assert rel_err(got[0, 0], want) < 1e-6
+
+
+def _lr_warmup(s: int) -> float:
+    return 1e-3 * min(1.0, s / 10)
+
+
+def _lr_schedule_steps(every: int, last: int) -> list[int]:
+    """The ``lr`` schedule written out: keep step s once the lr summed since the last kept step
+    reaches ``every`` x the highest lr so far (step 0 always)."""
+    kept, since, peak = [0], 0.0, 0.0
+    for s in range(1, last + 1):
+        peak, since = max(peak, _lr_warmup(s)), since + _lr_warmup(s)
+        if since >= every * peak * (1 - 1e-9):
+            kept, since = kept + [s], 0.0
+    return kept
+
+
+@pytest.mark.parametrize("resume_at", [12, 22])
+def test_a_resumed_trajectory_keeps_exactly_the_checkpoints_of_an_uninterrupted_one(tmp_path, resume_at):
+    """schedule 'lr' under warmup: a run that crashed at step 33 and resumed from its training
+    checkpoint at step ``resume_at`` (12: a kept step; 22: between two) keeps the same steps, with the
+    same lrs, as an uninterrupted run; the crashed timeline's checkpoints past the resume step are
+    gone and the resumed run's weights stand in their place."""
+    cfg = TrajectoryConfig(enabled=True, every=4, schedule="lr")
+
+    def step(traj, s, timeline):
+        traj.maybe_save(s, {"w": torch.tensor([float(s), timeline])}, lrs=[_lr_warmup(max(s, 1))], tokens_seen=s)
+
+    whole = Trajectory(cfg, tmp_path / "whole")
+    for s in range(41):
+        step(whole, s, 0.0)
+    crashed, states = Trajectory(cfg, tmp_path / "resumed"), {}
+    for s in range(34):
+        step(crashed, s, 1.0)
+        states[s] = crashed.state_dict()                  # what each training checkpoint would hold
+    resumed = Trajectory(cfg, tmp_path / "resumed")       # a new process
+    resumed.resume(resume_at, states[resume_at])
+    assert max(c.step for c in Trajectory.list(resumed.path)) <= resume_at
+    for s in range(resume_at + 1, 41):
+        step(resumed, s, 2.0)
+    want = _lr_schedule_steps(4, 40)
+    assert want == [0, 7, 12, 16, 20, 24, 28, 32, 36, 40]
+    a, b = Trajectory.list(whole.path), Trajectory.list(resumed.path)
+    assert [c.step for c in a] == [c.step for c in b] == want
+    assert [(c.lrs, c.next_lrs) for c in a] == [(c.lrs, c.next_lrs) for c in b]
+    assert [c.load()["w"].tolist() for c in b] == [[float(s), 1.0 if s <= resume_at else 2.0] for s in want]
+
+
+def test_checkpoints_past_the_restart_are_removed_even_without_resume(tmp_path):
+    """A run restarted at step 18 (from a training checkpoint at 17) whose integration did not call
+    resume(): the first maybe_save drops the old timeline's 20 and 25 before anything else, and the
+    new run's own checkpoints replace them."""
+    cfg = TrajectoryConfig(enabled=True, every=5)
+    old = Trajectory(cfg, tmp_path / "t")
+    for s in range(28):
+        old.maybe_save(s, {"w": torch.tensor([float(s), 1.0])}, lrs=[1e-3], tokens_seen=s)
+    assert [c.step for c in Trajectory.list(old.path)] == [0, 5, 10, 15, 20, 25]
+    new = Trajectory(cfg, tmp_path / "t")
+    new.maybe_save(18, {"w": torch.tensor([18.0, 2.0])}, lrs=[1e-3], tokens_seen=18)
+    assert [c.step for c in Trajectory.list(old.path)] == [0, 5, 10, 15]
+    for s in range(19, 31):
+        new.maybe_save(s, {"w": torch.tensor([float(s), 2.0])}, lrs=[1e-3], tokens_seen=s)
+    kept = Trajectory.list(old.path)
+    assert [c.step for c in kept] == [0, 5, 10, 15, 20, 25, 30]
+    assert [c.load()["w"][1].item() for c in kept] == [1.0] * 4 + [2.0] * 3
+
+
+def test_resume_refuses_a_state_saved_at_another_step(tmp_path):
+    cfg = TrajectoryConfig(enabled=True, every=4, schedule="lr")
+    traj = Trajectory(cfg, tmp_path / "t")
+    for s in range(12):
+        traj.maybe_save(s, {"w": torch.zeros(1)}, lrs=[1e-3], tokens_seen=s)
+    with pytest.raises(TrajectoryError, match="saved at step 11 but the run resumes at step 12"):
+        Trajectory(cfg, tmp_path / "t").resume(12, traj.state_dict())
+
+
+def test_top_examples_breaks_ties_by_id_order_and_lists_an_id_once():
+    from olmo_tda.methods.tracin import top_examples
+
+    ids = np.array([9, 4, 7, 4, 2, 5])
+    scores = torch.tensor([[1.0, 3.0, 3.0, 5.0, 3.0, 0.0], [0.0] * 6], dtype=torch.float64)
+    res = top_examples("tracin", scores, ids, 4, ["a"])
+    assert res.ids.tolist() == [[4, 7, 2, 9], [9, 4, 7, 2]]     # id 4 once, at its best score (5)
+    assert res.scores.tolist() == [[5.0, 3.0, 3.0, 1.0], [0.0] * 4]
+
+
+def test_inrun_tracin_counts_an_example_trained_twice_in_a_step_twice(tmp_path):
+    """Two ranks trained example 2 in step 1: both rows entered the update, so in-run TracIn adds
+    both (the top-k of attribute() lists the pair once; see methods/base.py)."""
+    from olmo_tda import GradientRecord, GradientStore, StoreConfig
+    from olmo_tda.methods.tracin import tracin_inrun
+
+    meta = {"capture": {}, "projector_hash": "h", "layers": [{"name": "a", "shape": [2, 2], "projector": {}}]}
+    g = torch.randn(4, 2, 2, generator=torch.Generator().manual_seed(0))
+    w0 = GradientStore.create(tmp_path / "s", meta, StoreConfig(), rank=0)
+    w1 = GradientStore.create(tmp_path / "s", meta, StoreConfig(), rank=1)
+    w0.append(GradientRecord(ids=[0, 1, 2], step=1, lr=0.1, loss_scale=2.0, grads={"a": g[:3]}))
+    w1.append(GradientRecord(ids=[2], step=1, lr=0.1, loss_scale=4.0, grads={"a": g[3:]}))
+    w0.close()
+    w1.close()
+    q = torch.randn(1, 2, 2, generator=torch.Generator().manual_seed(1))
+    scores, ids = tracin_inrun(GradientStore.open(tmp_path / "s"), lambda step: {"a": q}, [0])
+    dot = (q.reshape(1, -1).double() @ g.reshape(4, -1).double().T)[0]
+    assert ids.tolist() == [0, 1, 2]
+    want = torch.stack([0.1 / 2 * dot[0], 0.1 / 2 * dot[1], 0.1 / 2 * dot[2] + 0.1 / 4 * dot[3]])
+    assert rel_err(scores[0], want) < 1e-6

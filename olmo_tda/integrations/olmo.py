@@ -410,6 +410,8 @@ class TDATrainer(Trainer):
         if self.store is not None:
             state["tda"] = {"store": str(self.store.path), "step": self.global_step,
                             "projector_hash": self.capture.projector_hash}
+        if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
+            state["tda_trajectory"] = self.trajectory.state_dict()
         return _weights_only_safe(state)
 
     def restore_rng_state(self, rng_state: dict[str, Any]) -> None:
@@ -421,14 +423,16 @@ class TDATrainer(Trainer):
 
     def load_trainer_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_trainer_state_dict(_from_weights_only_safe(state_dict))
+        saved = state_dict.get("tda")       # refused before anything on disk is cut back
+        if self.store is not None and saved is not None and saved.get("projector_hash") != self.capture.projector_hash:
+            raise ConfigError(f"resuming with different projectors ({self.capture.projector_hash}) than the "
+                              f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
+        if self.trajectory is not None:     # drops the abandoned run's later checkpoints
+            self.trajectory.resume(self.global_step, state_dict.get("tda_trajectory"))
         if self.selector is not None:
             self._reapply_selection()
         if self.store is None:
             return
-        saved = state_dict.get("tda")
-        if saved is not None and saved.get("projector_hash") != self.capture.projector_hash:
-            raise ConfigError(f"resuming with different projectors ({self.capture.projector_hash}) than the "
-                              f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
         dropped = self.store.truncate_after(self.global_step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)

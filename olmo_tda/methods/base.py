@@ -4,6 +4,12 @@ A method turns query gradients into a query state once (``prepare``), then score
 training gradients streamed from a store (``score_block``), so memory is bounded by the block size
 and the number of queries, never by the store. Shapes: Q queries, n rows in a block, D_l the
 flattened width of layer l, k the top-k.
+
+Top-k order: score descending, ties to the row earlier in store order (shard order, append order
+within a shard: what ``iter_blocks`` yields whatever the block size), so the answer does not depend
+on ``block_size``. Each (id, step) appears at most once, at its best row: two ranks that trained the
+same example in the same step store two rows, which summing methods (in-run TracIn) rightly count
+twice, but a list of the most influential training rows names it once.
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class AttributionResult:
     method: str
     layers: list[str]
     scores: torch.Tensor             # [Q, k] float64
-    ids: np.ndarray                  # [Q, k'] int64, k' = min(top_k, rows scored)
+    ids: np.ndarray                  # [Q, k'] int64, k' = min(top_k, distinct (id, step) scored)
     steps: np.ndarray                # [Q, k] int64
     num_scored: int = 0              # training rows scored
     all_scores: torch.Tensor | None = None   # [Q, N] when requested
@@ -88,21 +94,83 @@ def _as_queries(queries: Any) -> dict[str, torch.Tensor]:
     return {name: q.detach().to("cpu", torch.float32) for name, q in queries.items()}
 
 
+def _check_queries(queries: dict[str, torch.Tensor], layers: list[str]) -> None:
+    """Refuse non-finite query gradients (every score of that query would be NaN and its top-k arbitrary);
+    warn about all-zero ones (every score 0: the top-k is just the first rows in store order)."""
+    bad = {n: torch.nonzero(~torch.isfinite(queries[n].flatten(1)).all(1)).flatten().tolist() for n in layers}
+    bad = {n: rows for n, rows in bad.items() if rows}
+    if bad:
+        rows = sorted({r for v in bad.values() for r in v})
+        where = "; ".join(f"{n}: queries {v[:10]}" for n, v in list(bad.items())[:5])
+        raise ValueError(f"query gradients of queries {rows[:20]} hold NaN or inf ({where}"
+                         f"{'; ...' if len(bad) > 5 else ''}): check those queries' losses (an empty or fully "
+                         f"masked text, an fp16 overflow) and recompute them")
+    sq = sum(queries[n].flatten(1).double().square().sum(1) for n in layers)
+    zero = torch.nonzero(sq == 0).flatten().tolist()
+    if zero:
+        log.warning("query gradients of queries %s are zero in every scored layer: each of their scores is 0 and "
+                    "their top-k is the first rows in store order, not an attribution", zero[:20])
+
+
+def _top_unique(scores: torch.Tensor, ids: np.ndarray, steps: np.ndarray, k: int
+                ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Per query, the first ``k`` distinct (id, step) of ``[Q, m]`` candidates in the order score
+    descending (NaN last), then column ascending (callers put candidates in store order), each at its
+    first (best) column. Every query gets the same count: min(k, distinct pairs among its candidates)."""
+    m = scores.shape[1]
+    key = torch.nan_to_num(scores, nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+    width = min(m, 2 * k)              # duplicates are rare: look a little past k, wider only if needed
+    while True:
+        vals, cols = torch.topk(key, width, dim=1)
+        if width < m and bool(((key >= vals[:, -1:]).sum(1) > width).any()):
+            cols = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :width]  # ties across the cut
+        else:                          # the top `width` set is exact; order it by (score desc, column asc)
+            cols = np.take_along_axis(cols.numpy(), np.lexsort((cols.numpy(), -vals.numpy()), axis=1), axis=1)
+            cols = torch.from_numpy(cols)
+        cols_np = cols.numpy()
+        top_ids, top_steps = np.take_along_axis(ids, cols_np, axis=1), np.take_along_axis(steps, cols_np, axis=1)
+        first = _first_occurrences(top_ids, top_steps)
+        if width == m or first.sum(1).min() >= k:
+            break
+        width = min(m, 2 * width)
+    keep = min(k, int(first.sum(1).min()))
+    take = np.argsort(~first, axis=1, kind="stable")[:, :keep]
+    return (torch.gather(scores, 1, torch.gather(cols, 1, torch.from_numpy(take))),
+            np.take_along_axis(top_ids, take, axis=1), np.take_along_axis(top_steps, take, axis=1))
+
+
+def _first_occurrences(ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """``[Q, w]`` bool: whether each (id, step) is the first of its kind in its query row."""
+    num_q, w = ids.shape
+    rows = np.repeat(np.arange(num_q), w)
+    cols = np.tile(np.arange(w), num_q)
+    flat_ids, flat_steps = ids.reshape(-1), steps.reshape(-1)
+    order = np.lexsort((cols, flat_steps, flat_ids, rows))
+    same = np.zeros(len(order), dtype=bool)
+    same[1:] = ((rows[order][1:] == rows[order][:-1]) & (flat_ids[order][1:] == flat_ids[order][:-1])
+                & (flat_steps[order][1:] == flat_steps[order][:-1]))
+    first = np.empty(len(order), dtype=bool)
+    first[order] = ~same
+    return first.reshape(num_q, w)
+
+
 def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "graddot", top_k: int = 10,
               layers: Iterable[str] | None = None, block_size: int | None = None, return_scores: bool = False,
               projector_hash: str | None = None, **method_options: Any) -> AttributionResult:
-    """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query.
+    """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query
+    (ties to the earlier row in store order; each (id, step) once: see the module docstring).
 
     Args:
         store: a store path or an open store (anything with ``layers`` and ``iter_blocks``).
         queries: a :class:`~olmo_tda.capture.Recording` or ``{layer: [Q, Ko, Ki]}``, captured with the
-            same projectors as the store (same capture config).
+            same projectors as the store (same capture config); NaN/inf in a scored layer is refused.
         method: a registered name (``graddot``, ``gradcos``, ...) or a method object.
         layers: restrict scoring to these layers (default: every layer present in both).
         block_size: training rows per streamed block (None: the store's
             :meth:`~olmo_tda.store.GradientStore.block_rows`, 64 MB of decoded rows); memory is
             O(Q·(top_k + block_size)) plus the block's rows.
-        return_scores: also return the full ``[Q, N]`` score matrix (memory O(Q·N)).
+        return_scores: also return the full ``[Q, N]`` score matrix, one column per stored row
+            (duplicate (id, step) rows included; memory O(Q·N)).
         projector_hash: the capture's ``projector_hash`` for plain-dict queries (a Recording carries
             its own); compared with the store's, since scores across different projectors are noise.
     """
@@ -132,6 +200,7 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
         if want is not None and tuple(queries[name].shape[1:]) != want:
             raise ValueError(f"query gradient of {name} has shape {tuple(queries[name].shape[1:])}, the store "
                              f"holds {want}: were the queries captured with the store's capture config?")
+    _check_queries(queries, chosen)
     algo = get_method(method, **method_options) if isinstance(method, str) else method
     if hasattr(algo, "fit"):            # methods that need the training rows first (influence: the Fisher)
         algo.fit(store, chosen, block_size=block_size)
@@ -152,13 +221,11 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
             kept_scores.append(scores)
             kept_ids.append(ids_n)
             kept_steps.append(steps_n)
+        # the kept rows come before the block: all of them are earlier in store order
         merged = torch.cat([best_scores, scores], dim=1)
         merged_ids = np.concatenate([best_ids, np.broadcast_to(ids_n, (num_q, len(ids_n)))], axis=1)
         merged_steps = np.concatenate([best_steps, np.broadcast_to(steps_n, (num_q, len(steps_n)))], axis=1)
-        k = min(top_k, merged.shape[1])
-        best_scores, idx = torch.topk(merged, k, dim=1)
-        best_ids = np.take_along_axis(merged_ids, idx.numpy(), axis=1)
-        best_steps = np.take_along_axis(merged_steps, idx.numpy(), axis=1)
+        best_scores, best_ids, best_steps = _top_unique(merged, merged_ids, merged_steps, top_k)
 
     result = AttributionResult(method=algo.name, layers=chosen, scores=best_scores, ids=best_ids,
                                steps=best_steps, num_scored=num_rows, info=getattr(algo, "info", {}))

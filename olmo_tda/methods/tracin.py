@@ -4,9 +4,12 @@ Scores are per training *example* (summed over the steps or checkpoints it contr
 row. Shapes: Q queries, n examples in a batch, D_l the flattened width of layer l.
 
 - **TracIn-CP**: ``score(q, z) = Σ_k η_k ⟨ĝ(θ_k, q), ĝ(θ_k, z)⟩`` over kept checkpoints k, with
-  ``η_k`` the learning rate at checkpoint k. Gradients are recomputed at every checkpoint through the
-  run's own projectors; the per-checkpoint ``[Q, N]`` scores are written atomically under a work
-  directory named by everything they depend on, so an interrupted pass resumes where it stopped.
+  ``η_k`` the learning rate of step k+1, the step that used gradients at θ_k
+  (:attr:`~olmo_tda.training.trajectory.TrajectoryCheckpoint.tracin_lr`). Gradients are recomputed
+  at every checkpoint through the run's own projectors; the per-checkpoint ``[Q, N]`` scores are
+  written atomically under a work directory named by everything they depend on, one file per
+  checkpoint named by its step and content id, so an interrupted pass resumes where it stopped and a
+  rewritten checkpoint is scored again.
 - **In-run TracIn**: ``score(q, z) = Σ_{s: z used at s} (η_s / loss_scale_s) ⟨ĝ(θ_c(s), q), ĝ_z,s⟩``,
   with ``ĝ_z,s`` the gradient captured while training (at θ_{s-1}) and ``c(s)`` the kept checkpoint
   nearest to θ_{s-1}. With a checkpoint at every step it is exactly the first-order TracIn-ideal of
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 
 from ..ops import inner
-from .base import AttributionResult
+from .base import AttributionResult, _top_unique
 
 __all__ = ["tracin_cp", "tracin_inrun", "top_examples", "nearest_checkpoint"]
 
@@ -116,24 +119,33 @@ def tracin_cp(checkpoints: Sequence[Any], query_grads_at: Callable[[Any], Grads]
     """TracIn-CP scores ``([Q, N] float64, example ids [N])``.
 
     Args:
-        checkpoints: objects with ``step`` and ``lr`` (e.g. :class:`TrajectoryCheckpoint`).
+        checkpoints: :class:`TrajectoryCheckpoint`-like: ``step``, ``tracin_lr`` (the weight η_k) and,
+            with ``work_dir``, ``content_id()`` (a string that changes whenever the weights may have).
         query_grads_at: ``ckpt -> {layer: [Q, Ko, Ki]}`` at that checkpoint's weights.
         train_grads_at: ``ckpt -> iterator of (ids [n], {layer: [n, Ko, Ki]})`` at that checkpoint.
         layers: the layers scored.
-        work_dir: where per-checkpoint scores are kept so an interrupted pass resumes; a subdirectory
-            named by a hash of ``fingerprint`` (queries, ids, projectors...) and the checkpoint list.
+        work_dir: where per-checkpoint scores are kept so an interrupted pass resumes: a subdirectory
+            named by a hash of ``fingerprint`` (queries, ids, projectors...), the layers and the score
+            format, holding one file per checkpoint named by its step and a hash of its content id (the
+            scores are unweighted, so η is applied after reading and not part of the name).
         progress: called with a message after each checkpoint.
     """
     state_dir = None
     if work_dir is not None:
-        key = json.dumps({"fingerprint": fingerprint or {}, "layers": list(layers), "format": _SCORE_FORMAT,
-                          "checkpoints": [[int(c.step), float(c.lr)] for c in checkpoints]}, sort_keys=True)
+        key = json.dumps({"fingerprint": fingerprint or {}, "layers": list(layers), "format": _SCORE_FORMAT},
+                         sort_keys=True)
         state_dir = Path(work_dir) / hashlib.sha256(key.encode()).hexdigest()[:16]
         state_dir.mkdir(parents=True, exist_ok=True)
         (state_dir / "key.json").write_text(key)
     total, ids_ref = None, None
     for ckpt in checkpoints:
-        part_file = state_dir / f"step{int(ckpt.step):08d}.npz" if state_dir is not None else None
+        part_file = None
+        if state_dir is not None:
+            content = hashlib.sha256(ckpt.content_id().encode()).hexdigest()[:16]
+            part_file = state_dir / f"step{int(ckpt.step):08d}-{content}.npz"
+            for stale in state_dir.glob(f"step{int(ckpt.step):08d}-*.npz"):   # scores of a rewritten checkpoint
+                if stale != part_file:
+                    stale.unlink(missing_ok=True)
         if part_file is not None and part_file.exists():
             with np.load(part_file, allow_pickle=False) as saved:
                 scores, ids = torch.from_numpy(saved["scores"]), saved["ids"]
@@ -146,14 +158,17 @@ def tracin_cp(checkpoints: Sequence[Any], query_grads_at: Callable[[Any], Grads]
                 id_parts.append(np.asarray(ids_n, dtype=np.int64))
             scores, ids = torch.cat(parts, dim=1), np.concatenate(id_parts)
             if part_file is not None:
-                tmp = part_file.with_name(part_file.name + ".tmp.npz")
-                np.savez(tmp, scores=scores.numpy(), ids=ids)
+                tmp = part_file.with_name(f".{part_file.name}.tmp")
+                with open(tmp, "wb") as f:
+                    np.savez(f, scores=scores.numpy(), ids=ids)
+                    f.flush()
+                    os.fsync(f.fileno())
                 os.replace(tmp, part_file)
         if ids_ref is None:
             ids_ref = ids
         elif not np.array_equal(ids, ids_ref):
             raise ValueError(f"tracin: checkpoint step {ckpt.step} scored other examples than the first one")
-        contribution = float(ckpt.lr) * scores
+        contribution = float(ckpt.tracin_lr) * scores
         total = contribution if total is None else total + contribution
         if progress is not None:
             progress(f"checkpoint step {ckpt.step}")
@@ -164,9 +179,11 @@ def tracin_cp(checkpoints: Sequence[Any], query_grads_at: Callable[[Any], Grads]
 
 def top_examples(method: str, scores: torch.Tensor, ids: np.ndarray, top_k: int, layers: list[str],
                  info: dict | None = None) -> AttributionResult:
-    """Top ``top_k`` examples per query as an :class:`AttributionResult` (``step = -1``: all steps)."""
-    k = min(top_k, scores.shape[1])
-    best, idx = torch.topk(scores, k, dim=1)
-    best_ids = np.asarray(ids)[idx.numpy()]
+    """Top ``top_k`` examples per query as an :class:`AttributionResult` (``step = -1``: all steps);
+    ties go to the example earlier in ``ids``, and an id listed twice in ``ids`` is shown once."""
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    ids = np.broadcast_to(np.asarray(ids, dtype=np.int64), scores.shape)
+    best, best_ids, _ = _top_unique(scores.to(torch.float64), ids, np.zeros_like(ids), top_k)
     return AttributionResult(method=method, layers=layers, scores=best, ids=best_ids,
                              steps=np.full_like(best_ids, -1), num_scored=scores.shape[1], info=info or {})
