@@ -385,13 +385,18 @@ class TDATrainer(Trainer):
                                    tokens_seen=0 if step == 0 else int(self.global_train_tokens_seen))
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
-        """The model's full state dict (FSDP: gathered; collective, every rank calls it)."""
+        """The model's full state dict (FSDP: gathered; collective, every rank calls it). On GPUs it is
+        gathered into rank 0's CPU memory only (the others get an empty dict), so no rank holds a full
+        copy on its device; a CPU-only torch crashes in that offload (as in OLMo's own full-state-dict
+        save), so there every rank gets the full dict."""
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         if isinstance(self.dist_model, FSDP):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-            return get_model_state_dict(self.dist_model, options=StateDictOptions(full_state_dict=True))
+            offload = self.device.type == "cuda"
+            return get_model_state_dict(self.dist_model, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=offload))
         return getattr(self.dist_model, "module", self.dist_model).state_dict()
 
     # -- checkpoints -------------------------------------------------------------------------------
