@@ -170,8 +170,10 @@ def test_deepspeed_zero_store_metadata_and_per_row_loss_scale(runs):
 def test_deepspeed_zero3_save_kill_load_continue_has_no_duplicate_or_missing_rows(tmp_path):
     """ZeRO-3 with zero.Init: checkpoint at step 3, rows of steps 4-5 made durable, SIGKILL after step
     6 (its window unflushed), resume from the checkpoint to step 8. The store must hold every (id, step)
-    of steps 1-8 exactly once, equal to an uninterrupted run's rows."""
-    base = "stage=3,gas=2,dtype=fp32,init=1,steps=8"
+    of steps 1-8 exactly once, equal to an uninterrupted run's rows; the trajectory (every 2 steps) the
+    uninterrupted run's checkpoints, the crashed run's steps 4 and 6 replaced, with the same tokens
+    seen and learning rates."""
+    base = "stage=3,gas=2,dtype=fp32,init=1,steps=8,traj=2"
     killed = torchrun(tmp_path, base, base + ",save_at=3,kill_after=6", expect_ok=False)
     assert killed.returncode != 0
     crashed = tmp_path / worker.case_name(worker.parse_case(base + ",save_at=3"))
@@ -190,6 +192,14 @@ def test_deepspeed_zero3_save_kill_load_continue_has_no_duplicate_or_missing_row
     assert np.allclose(resumed.lr, straight.lr[take], rtol=1e-12)
     for name, g in resumed.grads.items():
         assert rel_err(g.double(), straight.grads[name][take].double()) < 1e-5, name
+    from olmo_tda.training.trajectory import Trajectory
+    ref = {c.step: c for c in Trajectory.list(tmp_path / worker.case_name(worker.parse_case(base)) / "trajectory")}
+    got = {c.step: c for c in Trajectory.list(crashed / "trajectory")}
+    assert sorted(got) == sorted(ref) == [0, 2, 4, 6, 8]
+    for step, c in ref.items():
+        assert got[step].tokens_seen == c.tokens_seen and np.isclose(got[step].tracin_lr, c.tracin_lr), step
+        if step > 3:            # written again by the resumed run, at the uninterrupted run's weights
+            assert all(torch.allclose(a, c.load()[k], atol=1e-5) for k, a in got[step].load().items()), step
 
 
 @pytest.mark.gpu

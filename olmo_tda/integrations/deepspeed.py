@@ -294,7 +294,7 @@ class DeepSpeedTDA:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume the store: plain types only."""
         return {"store": str(self.store.path), "step": int(self.engine.global_steps),
-                "projector_hash": self.capture.projector_hash,
+                "projector_hash": self.capture.projector_hash, "tokens_seen": self._tokens_seen,
                 "trajectory": self.trajectory.state_dict() if self.trajectory is not None else None}
 
     def load_state_dict(self, state: Mapping | None) -> None:
@@ -310,6 +310,7 @@ class DeepSpeedTDA:
         dropped = self.store.truncate_after(step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, step)
+        self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
         if self.trajectory is not None:     # the schedule as of the checkpoint; its later checkpoints go
             self.trajectory.resume(step, (state or {}).get("trajectory"))
 
