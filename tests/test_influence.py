@@ -355,3 +355,23 @@ def test_fitted_fisher_is_cached_beside_the_store_and_a_damaged_cache_is_recompu
     assert "cached" not in third.info and torch.equal(third.all_scores, first.all_scores)
     assert "ignoring unreadable cache" in caplog.text
     assert GradientStore.open(store.path).num_rows == 48      # the store itself is untouched
+
+
+@pytest.mark.parametrize("hessian", ["raw", "joint"])
+def test_a_damping_that_float64_cannot_resolve_warns(tmp_path, hessian, caplog):
+    """Fewer rows than dimensions: F is singular and F + λI with λ ~1e-14 of its mean eigenvalue
+    loses most digits in float64. That warns,
+    naming the relative damping; the default relative damping does not."""
+    gen = torch.Generator().manual_seed(0)
+    grads = {"a": torch.randn(6, 4, 4, generator=gen, dtype=torch.float64).float()}
+    store = _store(tmp_path, grads)
+    query = {"a": torch.randn(2, 4, 4, generator=gen)}
+    mean_eig = float(grads["a"].double().flatten(1).square().sum()) / 6 / 16
+    with caplog.at_level("WARNING", logger="olmo_tda.methods.influence"):
+        attribute(store, query, method="influence", hessian=hessian, damping=1e-14 * mean_eig)
+    assert "mean Fisher eigenvalue" in caplog.text and "e-14" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="olmo_tda.methods.influence"):
+        attribute(store, query, method="influence", hessian=hessian)
+        attribute(store, query, method="influence", hessian=hessian, damping=1e-6 * mean_eig)
+    assert "mean Fisher eigenvalue" not in caplog.text

@@ -349,6 +349,7 @@ class Influence:
         if any(not d > 0 for d in damping.values()):
             raise ValueError(f"influence: a layer has zero gradients in the store, so the default damping is 0: "
                              f"{[n for n, d in damping.items() if not d > 0]}; pass damping=")
+        _warn_tiny_damping(damping, {n: trace[n] / (shapes[n][0] * shapes[n][1]) for n in layers})
         if self.hessian == "raw":
             factors = {n: torch.linalg.cholesky(fisher[n] + damping[n] * torch.eye(len(fisher[n]), dtype=torch.float64))
                        for n in layers}
@@ -377,6 +378,7 @@ class Influence:
         if not lam > 0:
             raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; "
                              "pass damping=")
+        _warn_tiny_damping({"all layers (joint)": lam}, {"all layers (joint)": trace / dim})
         if self._explicit:
             factor = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
         damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
@@ -429,3 +431,17 @@ class Influence:
             s = inner(pre, _double(grads[name]), self.route)
             total = s if total is None else total + s
         return total
+
+
+TINY_DAMPING = 1e-10
+"""Below this fraction of a Fisher's mean eigenvalue, a float64 solve of F + λI with fewer rows than
+dimensions (F singular) loses most of its digits: the error grows like λ_max / λ · 1e-16."""
+
+
+def _warn_tiny_damping(damping: dict[str, float], mean_eig: dict[str, float]) -> None:
+    tiny = {n: d / mean_eig[n] for n, d in damping.items() if mean_eig[n] > 0 and d < TINY_DAMPING * mean_eig[n]}
+    if tiny:
+        worst = min(tiny, key=tiny.get)
+        log.warning("influence: damping is %.1e of the mean Fisher eigenvalue at %s (%d layer(s) below %.0e): "
+                    "F + λI is then nearly singular and float64 solves lose most digits. Use damping_ratio "
+                    "(relative, default 0.1) or a larger damping", tiny[worst], worst, len(tiny), TINY_DAMPING)
