@@ -396,13 +396,21 @@ def test_checkpoints_past_the_restart_are_removed_even_without_resume(tmp_path):
     assert [c.load()["w"][1].item() for c in kept] == [1.0] * 4 + [2.0] * 3
 
 
-def test_resume_refuses_a_state_saved_at_another_step(tmp_path):
+def test_resume_refuses_a_state_from_a_later_step_and_takes_one_from_a_skipped_step(tmp_path):
+    """A state saved after the resume step is another checkpoint's: refused. One from an earlier step
+    is what a loop that skips maybe_save on steps it did not apply (DeepSpeed's fp16 overflow steps
+    still count) saves: taken, and the run goes on as if uninterrupted."""
     cfg = TrajectoryConfig(enabled=True, every=4, schedule="lr")
     traj = Trajectory(cfg, tmp_path / "t")
     for s in range(12):
-        traj.maybe_save(s, {"w": torch.zeros(1)}, lrs=[1e-3], tokens_seen=s)
-    with pytest.raises(TrajectoryError, match="saved at step 11 but the run resumes at step 12"):
-        Trajectory(cfg, tmp_path / "t").resume(12, traj.state_dict())
+        if s != 11:                 # step 11 overflowed: DeepSpeed counts it, nothing is saved for it
+            traj.maybe_save(s, {"w": torch.zeros(1)}, lrs=[1e-3], tokens_seen=s)
+    with pytest.raises(TrajectoryError, match="saved at step 10 but the run resumes at step 9"):
+        Trajectory(cfg, tmp_path / "t").resume(9, traj.state_dict())
+    resumed = Trajectory(cfg, tmp_path / "t")
+    resumed.resume(11, traj.state_dict())
+    for s in range(12, 20):
+        assert resumed.due(s, 1e-3) == traj.due(s, 1e-3), s
 
 
 def test_top_examples_breaks_ties_by_id_order_and_lists_an_id_once():

@@ -307,12 +307,12 @@ class DeepSpeedTDA:
             self._open.close()
         self._open, self._open_rec, self._pending = None, None, []
         step = int(self.engine.global_steps)
+        if self.trajectory is not None:     # the schedule as of the checkpoint (refused before the store is
+            self.trajectory.resume(step, (state or {}).get("trajectory"))    # cut); its later checkpoints go
         dropped = self.store.truncate_after(step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, step)
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
-        if self.trajectory is not None:     # the schedule as of the checkpoint; its later checkpoints go
-            self.trajectory.resume(step, (state or {}).get("trajectory"))
 
     def metrics(self) -> dict[str, float]:
         """``tda/*`` numbers for logging (DeepSpeed's monitor gets them after every step on rank 0)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import yaml
 
 from ..config import ConfigError, TDAConfig
+from ..store.format import STORE_JSON
 from .olmo import BASIS_FILE, TDA_YAML, TDATrainer
 
 __all__ = ["train", "init_distributed", "release_distributed"]
@@ -194,9 +196,14 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
 
 def absolute_paths(cfg, tda_cfg: TDAConfig) -> None:
     """Make the run's local relative paths absolute (from the current directory, where they mean what
-    they say now), so the configs saved with the run work from any directory: OLMo's data paths and
-    the TDA files a user named. Unset TDA paths stay unset: they follow the run folder."""
-    cfg.data.paths = [_absolute(p) for p in cfg.data.paths] if cfg.data.paths else cfg.data.paths
+    they say now), so the configs saved with the run work from any directory: OLMo's data paths
+    (``paths``, ``datasets``, ``label_mask_paths``) and the TDA files a user named. Unset TDA paths stay unset: they follow the run folder."""
+    data = cfg.data
+    data.paths = [_absolute(p) for p in data.paths] if data.paths else data.paths
+    if data.datasets:
+        data.datasets = {name: [_absolute(p) for p in paths] for name, paths in data.datasets.items()}
+    if data.label_mask_paths:
+        data.label_mask_paths = [_absolute(p) for p in data.label_mask_paths]
     for section, key in (("store", "path"), ("trajectory", "path"), ("capture", "basis"), ("selection", "target")):
         part = getattr(tda_cfg, section)
         value = getattr(part, key)
@@ -212,7 +219,13 @@ def _absolute(path) -> str:
 def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
     """OLMo's start rules: ``try_load_latest_save`` sets ``load_path`` to the latest checkpoint of the
     save folder (else of ``remote_save_folder``); a folder that holds a run needs ``save_overwrite``.
-    A fresh start over an old run removes what would otherwise be mixed into the new one."""
+
+    A fresh start (nothing to load, or ``reset_trainer_state``) over an old run removes what would be
+    mixed into the new one: OLMo's checkpoints (``stepN[-unsharded]``, ``latest[-unsharded]``) and the
+    TDA outputs the old run's ``tda.yaml`` names, each only if it looks like what it should be (a store
+    holds ``store.json``, a trajectory only checkpoint folders). Anything that contains the save
+    folder or the checkpoint to load is refused, not removed; so is a TDA path of the new config that
+    already holds another run's store or trajectory, in any folder."""
     from olmo.util import find_latest_checkpoint
 
     folder = Path(cfg.save_folder)
@@ -223,34 +236,113 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
         if latest is not None:
             log.info("try_load_latest_save: resuming from %s", latest)
             cfg.load_path = str(latest)
+    load = _local(cfg.load_path)
+    if load is not None and not load.exists():
+        raise ConfigError(f"load_path: no such checkpoint {cfg.load_path}")
     held = not cfg.dry_run and (folder / "config.yaml").is_file()
     if held and not cfg.save_overwrite:
         raise ConfigError(f"{folder} already holds a run ({folder / 'config.yaml'}): pass --save_overwrite to "
                           "overwrite it, with --load_path=... or --try_load_latest_save to resume it")
-    # a resume keeps the folder: the store is cut back to the checkpoint when it is restored
-    fresh = held and (cfg.load_path is None or cfg.reset_trainer_state)
-    if fresh and int(os.environ.get("LOCAL_RANK", "0")) == 0:   # once per node (node-local folders)
-        loading = Path(cfg.load_path).resolve() if cfg.load_path and "://" not in str(cfg.load_path) else None
-        stale = [p for p in sorted(folder.glob("step*")) + sorted(folder.glob("latest*"))
-                 if loading is None or p.resolve() != loading]          # not the checkpoint being loaded
-        stale += [p for p in tda_outputs(cfg, tda_cfg) if os.path.lexists(p)]
-        if stale:
-            log.warning("save_overwrite on a fresh start: removing the old run's %s",
-                        ", ".join(p.name for p in stale))
+    fresh = not cfg.dry_run and (cfg.load_path is None or cfg.reset_trainer_state)
+    if not fresh:                 # a resume keeps the folder: the store is cut back when it is restored
+        dist.barrier()
+        return
+    stale: list[Path] = []
+    checkpoints: list[Path] = []
+    if held:
+        if load is not None and _inside(load, folder):
+            raise ConfigError(f"load_path {cfg.load_path} is a checkpoint of the run in {folder}, which a fresh start "
+                              "(reset_trainer_state) there would remove: start the new run in another save_folder")
+        checkpoints = [p for p in folder.iterdir() if _CHECKPOINT.match(p.name) or p.name in _LATEST]
+        stale = checkpoints + _old_tda_outputs(folder)
         for path in stale:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            elif os.path.lexists(path):
-                path.unlink(missing_ok=True)
+            for keep, what in ((folder, "the save folder"), (load, "load_path")):
+                if keep is not None and _inside(keep, path):
+                    raise ConfigError(f"{path} (of the old run in {folder}) contains {what} {keep}: refusing to "
+                                      "remove it; point the old run's TDA paths elsewhere or clear it yourself")
+    gone = {p.resolve() for p in stale}
+    for path, kind in ((Path(tda_cfg.store.path or folder / "tda" / "store"), "store"),
+                       (Path(tda_cfg.trajectory.path or folder / "tda" / "trajectory"), "trajectory")):
+        if path.resolve() not in gone and _holds(path, kind, rows=True):
+            raise ConfigError(f"tda.{kind}.path {path} already holds a {kind} (of another run): a new run would mix "
+                              "into it; point it elsewhere or remove it")
+    if stale and int(os.environ.get("LOCAL_RANK", "0")) == 0:    # once per node (node-local folders)
+        log.warning("save_overwrite on a fresh start: removing the old run's %s", ", ".join(map(str, stale)))
+        for path in stale:
+            _remove(path, through_link=path not in checkpoints)
     dist.barrier()
 
 
-def tda_outputs(cfg, tda_cfg: TDAConfig) -> list[Path]:
-    """What a run writes under TDA: its store, trajectory, selection log, metrics and (unless the user
-    named one) its eigenbasis."""
-    tda = Path(cfg.save_folder) / "tda"
-    out = [Path(tda_cfg.store.path or tda / "store"), Path(tda_cfg.trajectory.path or tda / "trajectory"),
-           tda / "selection", tda / "metrics.jsonl"]
-    if not tda_cfg.capture.basis:
+_CHECKPOINT = re.compile(r"^step\d+(-unsharded)?$")
+_LATEST = ("latest", "latest-unsharded")
+
+
+def _local(path) -> Path | None:
+    """A local ``load_path`` (``file://`` stripped), or None for none or a remote one."""
+    if path is None:
+        return None
+    text = str(path)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    return None if "://" in text else Path(text)
+
+
+def _inside(path: Path, parent: Path) -> bool:
+    """Whether ``path`` is ``parent`` or lies under it (symlinks resolved)."""
+    path, parent = path.resolve(), parent.resolve()
+    return path == parent or parent in path.parents
+
+
+def _holds(path: Path, kind: str, *, rows: bool = False) -> bool:
+    """Whether ``path`` holds a store (its ``store.json``; with ``rows``, a store with rows: an empty
+    one, left by a run that failed before its first step, may be reused) or trajectory checkpoints."""
+    if kind == "store":
+        if not (path / STORE_JSON).is_file():
+            return False
+        if not rows:
+            return True
+        from ..store import GradientStore
+        try:
+            return GradientStore.open(path).num_rows > 0
+        except Exception:  # noqa: BLE001 - unreadable: it is not ours to reuse either
+            return True
+    return path.is_dir() and any(p.is_dir() and _TRAJECTORY_ENTRY.match(p.name) for p in path.iterdir())
+
+
+_TRAJECTORY_ENTRY = re.compile(r"^step\d+(\.tmp)?$")
+
+
+def _old_tda_outputs(folder: Path) -> list[Path]:
+    """What the run in ``folder`` wrote under TDA, by its ``tda.yaml`` (the defaults under
+    ``folder/tda`` if it has none): the store and trajectory where they look like one, its selection
+    log, metrics and estimated eigenbasis."""
+    tda = folder / "tda"
+    try:
+        old = TDAConfig.from_dict((yaml.safe_load((folder / TDA_YAML).read_text()) or {}).get("tda"))
+    except (OSError, yaml.YAMLError, ConfigError, AttributeError):
+        old = TDAConfig()
+    out = []
+    for path, kind in ((Path(old.store.path or tda / "store"), "store"),
+                       (Path(old.trajectory.path or tda / "trajectory"), "trajectory")):
+        if _holds(path, kind) and (kind == "store" or all(p.name.startswith(".") or _TRAJECTORY_ENTRY.match(p.name)
+                                                          for p in path.iterdir())):
+            out.append(path)
+        elif os.path.lexists(path) and not _inside(path, tda):
+            log.warning("save_overwrite: leaving %s (the old run's tda.%s.path) as it is: it does not look like "
+                        "a %s", path, kind, kind)
+    out += [p for p in (tda / "selection", tda / "metrics.jsonl") if os.path.lexists(p)]
+    if not old.capture.basis and (tda / BASIS_FILE).is_file():
         out.append(tda / BASIS_FILE)
     return out
+
+
+def _remove(path: Path, *, through_link: bool = False) -> None:
+    """Remove a file, folder or link; ``through_link``: a linked folder (a store on another disk) is
+    emptied and its link kept."""
+    if through_link and path.is_symlink() and path.is_dir():
+        for child in path.iterdir():
+            _remove(child)
+    elif path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink(missing_ok=True)

@@ -115,7 +115,7 @@ def _check_queries(queries: dict[str, torch.Tensor], layers: list[str]) -> None:
 def _top_unique(scores: torch.Tensor, ids: np.ndarray, steps: np.ndarray, k: int
                 ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """Per query, the first ``k`` distinct (id, step) of ``[Q, m]`` candidates in the order score
-    descending (NaN last), then column ascending (callers put candidates in store order), each at its
+    descending (NaN ranks as -inf), then column ascending (callers put candidates in store order), each at its
     first (best) column. Every query gets the same count: min(k, distinct pairs among its candidates)."""
     m = scores.shape[1]
     key = torch.nan_to_num(scores, nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)

@@ -201,10 +201,12 @@ class Trajectory:
         """After restoring a training checkpoint at ``step``, before the next :meth:`maybe_save`
         (every rank): restore the schedule's ``state`` (this object's :meth:`state_dict` saved with
         that checkpoint) and remove the checkpoints past ``step`` (rank 0), which the resumed run
-        redoes. Raises :class:`TrajectoryError` if ``state`` was saved at another step."""
+        redoes. The state may come from an earlier step than ``step`` (a loop that skips
+        :meth:`maybe_save` on steps it did not apply, like DeepSpeed's fp16 overflow steps, which still
+        count); raises :class:`TrajectoryError` if it comes from a later one."""
         if state is not None:
             saved = state.get("step")
-            if saved is not None and int(saved) != step:
+            if saved is not None and int(saved) > step:
                 raise TrajectoryError(f"trajectory state was saved at step {saved} but the run resumes at step "
                                       f"{step}: pass the state saved with the checkpoint being restored")
             self._lr_since, self._lr_peak = float(state["lr_since"]), float(state["lr_peak"])

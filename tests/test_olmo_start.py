@@ -1,0 +1,119 @@
+"""``olmo-tda train``'s start rules over a folder that holds a run (olmo_train._choose_start): what a
+fresh start removes, and what it refuses to touch. In-process on a one-rank gloo group; the folders
+are built by hand, with real stores and trajectory checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from olmo_tda.config import ConfigError, StoreConfig, TDAConfig
+from olmo_tda.integrations import olmo_train
+from olmo_tda.store import GradientRecord, GradientStore
+from olmo_tda.training.trajectory import Trajectory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    olmo_train.init_distributed()
+    yield
+    olmo_train.release_distributed()
+
+
+def _store(path: Path, rows: int = 2) -> Path:
+    meta = {"capture": {}, "projector_hash": "h", "layers": [{"name": "a", "shape": [2, 2], "projector": {}}]}
+    with GradientStore.create(path, meta, StoreConfig()) as w:
+        if rows:
+            w.append(GradientRecord(ids=np.arange(rows), step=1, lr=0.1, loss_scale=1.0,
+                                    grads={"a": torch.ones(rows, 2, 2)}))
+    return path
+
+
+def _old_run(folder: Path, tda: dict | None = None) -> Path:
+    """A folder as a finished run leaves it: config.yaml, tda.yaml, checkpoints, TDA outputs."""
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("run_name: old\n")
+    (folder / "tda.yaml").write_text(yaml.safe_dump({"tda": TDAConfig.from_dict(tda or {}).to_dict()}))
+    for name in ("step0", "step2-unsharded", "step2"):
+        (folder / name).mkdir()
+        (folder / name / "model.pt").write_bytes(b"x")
+    os.symlink("step2", folder / "latest")
+    (folder / "steps_notes.txt").write_text("mine")                # a user's file that only looks like one
+    if not (tda or {}).get("store"):
+        _store(folder / "tda" / "store")
+    traj = Trajectory(TDAConfig.from_dict({"trajectory": {"enabled": True}}).trajectory, folder / "tda" / "trajectory")
+    traj.maybe_save(0, {"w": torch.zeros(1)}, lrs=[0.1], tokens_seen=0)
+    (folder / "tda" / "selection").mkdir()
+    (folder / "tda" / "metrics.jsonl").write_text("{}\n")
+    return folder
+
+
+def _cfg(folder: Path, **kw) -> SimpleNamespace:
+    base = dict(save_folder=str(folder), try_load_latest_save=False, remote_save_folder=None, load_path=None,
+                dry_run=False, save_overwrite=True, reset_trainer_state=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_a_fresh_start_removes_the_old_runs_checkpoints_and_tda_outputs_only(tmp_path):
+    run = _old_run(tmp_path / "run")
+    olmo_train._choose_start(_cfg(run), TDAConfig())
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "steps_notes.txt", "tda", "tda.yaml"]
+    assert list((run / "tda").iterdir()) == []
+
+
+def test_a_fresh_start_leaves_a_named_path_that_is_not_a_store_and_refuses_one_holding_the_folder(tmp_path):
+    data = tmp_path / "datasets"
+    data.mkdir()
+    (data / "precious.bin").write_bytes(b"keep")
+    run = _old_run(tmp_path / "a", {"store": {"path": str(data)}})
+    olmo_train._choose_start(_cfg(run), TDAConfig.from_dict({"store": {"path": str(data)}}))
+    assert (data / "precious.bin").read_bytes() == b"keep" and not (run / "step2").exists()
+
+    run = _old_run(tmp_path / "b", {"store": {"path": str(tmp_path / "b")}})
+    _store(run)                                                       # the store is the run folder itself
+    with pytest.raises(ConfigError, match="contains the save folder"):
+        olmo_train._choose_start(_cfg(run), TDAConfig())
+    assert (run / "step2").is_dir() and (run / "store.json").is_file()
+
+
+@pytest.mark.parametrize("load", ["step2", "file://{run}/step2", "step9"])
+def test_a_reset_start_never_removes_the_checkpoint_it_loads_nor_runs_on_a_missing_one(tmp_path, load):
+    run = _old_run(tmp_path / "run")
+    load_path = load.format(run=run) if "://" in load else str(run / load)
+    with pytest.raises(ConfigError, match="no such checkpoint" if load == "step9" else "another save_folder"):
+        olmo_train._choose_start(_cfg(run, load_path=load_path, reset_trainer_state=True), TDAConfig())
+    assert (run / "step2").is_dir() and (run / "tda" / "store").is_dir()
+
+
+def test_a_new_run_refuses_a_store_or_trajectory_of_another_run(tmp_path):
+    other = _store(tmp_path / "other_store")
+    with pytest.raises(ConfigError, match="tda.store.path .* already holds a store"):
+        olmo_train._choose_start(_cfg(tmp_path / "new"), TDAConfig.from_dict({"store": {"path": str(other)}}))
+    _store(tmp_path / "empty_store", rows=0)      # left by a run that failed before its first step: reused
+    empty = TDAConfig.from_dict({"store": {"path": str(tmp_path / "empty_store")}})
+    olmo_train._choose_start(_cfg(tmp_path / "new"), empty)
+    traj = _old_run(tmp_path / "old") / "tda" / "trajectory"
+    with pytest.raises(ConfigError, match="tda.trajectory.path .* already holds a trajectory"):
+        olmo_train._choose_start(_cfg(tmp_path / "new"), TDAConfig.from_dict({"trajectory": {"path": str(traj)}}))
+
+
+def test_a_linked_store_is_emptied_through_its_link(tmp_path):
+    disk = _store(tmp_path / "big_disk" / "store")
+    run = _old_run(tmp_path / "run", {"store": {"path": str(tmp_path / "run" / "tda" / "store")}})
+    os.symlink(disk, run / "tda" / "store")
+    olmo_train._choose_start(_cfg(run), TDAConfig())
+    assert (run / "tda" / "store").is_symlink() and list(disk.iterdir()) == []
+
+
+def test_a_resume_and_a_held_folder_without_save_overwrite(tmp_path):
+    run = _old_run(tmp_path / "run")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        olmo_train._choose_start(_cfg(run, save_overwrite=False), TDAConfig())
+    olmo_train._choose_start(_cfg(run, load_path=str(run / "step2")), TDAConfig())      # a resume: untouched
+    assert (run / "step2").is_dir() and GradientStore.open(run / "tda" / "store").num_rows == 2
