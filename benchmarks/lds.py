@@ -103,10 +103,11 @@ def train(args, data: torch.Tensor, init_seed: int, order_seed: int, keep_every:
             opt.zero_grad(set_to_none=True)
             step += 1
             if keep_every and step % keep_every == 0:
-                kept.append(SimpleNamespace(step=step, lr=args.lr,
+                kept.append(SimpleNamespace(step=step, lr=args.lr, tracin_lr=args.lr,
                                             state={k: v.clone() for k, v in model.state_dict().items()}))
     if keep_every and kept[-1].step != step:      # the final weights are always a TracIn checkpoint
-        kept.append(SimpleNamespace(step=step, lr=args.lr, state={k: v.clone() for k, v in model.state_dict().items()}))
+        kept.append(SimpleNamespace(step=step, lr=args.lr, tracin_lr=args.lr,
+                                    state={k: v.clone() for k, v in model.state_dict().items()}))
     return model, kept, step
 
 
