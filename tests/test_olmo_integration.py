@@ -274,6 +274,12 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
     kept = [c.step for c in Trajectory.list(run / "tda" / "trajectory")]
     assert kept == uninterrupted_trajectory(store_dir) and kept[-1] > 2, kept
 
+    # resuming this run's checkpoint into another folder, with its own store: said, not silent
+    other = [a.replace(str(run), str(data_dir / "run_reuse_other")).replace("store_elsewhere", "store_other")
+             .replace("--max_duration=8", "--max_duration=9").replace("--stop_at=8", "--stop_at=9") for a in more]
+    done = _train(other + [f"--load_path={run / 'step8-unsharded'}", "--optimizer.learning_rate=0.03"], cwd=tmp_path)
+    assert done.returncode == 0 and "whose run stored its gradients in" in done.stdout + done.stderr
+
 
 def test_a_failing_rank_ends_the_job_with_its_own_error(data_dir):
     """Rank 1 raises at step 3: the job ends promptly (no rank waits in a barrier for it until the

@@ -438,6 +438,12 @@ class TDATrainer(Trainer):
             self._reapply_selection()
         if self.store is None:
             return
+        theirs = saved.get("store") if saved is not None else None
+        if theirs and Path(theirs).resolve() != Path(self.store.path).resolve():
+            log.warning("tda: resuming a checkpoint whose run stored its gradients in %s, while this run's store is "
+                        "%s: its rows up to step %d stay as they are, from whichever run wrote them (point "
+                        "tda.store.path at the checkpoint's store to continue that run's)", theirs,
+                        self.store.path, self.global_step)
         dropped = self.store.truncate_after(self.global_step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
