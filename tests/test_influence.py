@@ -374,4 +374,7 @@ def test_a_damping_that_float64_cannot_resolve_warns(tmp_path, hessian, caplog):
     with caplog.at_level("WARNING", logger="olmo_tda.methods.influence"):
         attribute(store, query, method="influence", hessian=hessian)
         attribute(store, query, method="influence", hessian=hessian, damping=1e-6 * mean_eig)
+        # more rows than dimensions: F is invertible, a tiny damping is no warning matter
+        many = _store(tmp_path, {"a": torch.randn(40, 4, 4, generator=gen)}, name="many")
+        attribute(many, query, method="influence", hessian=hessian, damping=1e-14 * mean_eig)
     assert "mean Fisher eigenvalue" not in caplog.text

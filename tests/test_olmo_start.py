@@ -56,7 +56,7 @@ def _old_run(folder: Path, tda: dict | None = None) -> Path:
 
 def _cfg(folder: Path, **kw) -> SimpleNamespace:
     base = dict(save_folder=str(folder), try_load_latest_save=False, remote_save_folder=None, load_path=None,
-                dry_run=False, save_overwrite=True, reset_trainer_state=False)
+                dry_run=False, save_overwrite=True, reset_trainer_state=False, reset_optimizer_state=False)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -67,19 +67,58 @@ def test_a_fresh_start_removes_the_old_runs_checkpoints_and_tda_outputs_only(tmp
     assert list((run / "tda").iterdir()) == []
 
 
-def test_a_fresh_start_leaves_a_named_path_that_is_not_a_store_and_refuses_one_holding_the_folder(tmp_path):
-    data = tmp_path / "datasets"
-    data.mkdir()
-    (data / "precious.bin").write_bytes(b"keep")
-    run = _old_run(tmp_path / "a", {"store": {"path": str(data)}})
-    olmo_train._choose_start(_cfg(run), TDAConfig.from_dict({"store": {"path": str(data)}}))
-    assert (data / "precious.bin").read_bytes() == b"keep" and not (run / "step2").exists()
+def test_a_fresh_start_leaves_a_store_folder_that_holds_more_than_the_store(tmp_path):
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    (outputs / "precious.bin").write_bytes(b"keep")
+    _store(outputs)                               # the old run wrote its store into a folder of other files
+    run = _old_run(tmp_path / "a", {"store": {"path": str(outputs)}})
+    with pytest.raises(ConfigError, match="tda.store.path .* already holds a store"):
+        olmo_train._choose_start(_cfg(run), TDAConfig.from_dict({"store": {"path": str(outputs)}}))
+    assert (outputs / "precious.bin").read_bytes() == b"keep" and (outputs / "store.json").is_file()
+    olmo_train._choose_start(_cfg(run), TDAConfig())      # the new run's store elsewhere: the old one stays
+    assert (outputs / "precious.bin").read_bytes() == b"keep" and not (run / "step2").exists()
 
     run = _old_run(tmp_path / "b", {"store": {"path": str(tmp_path / "b")}})
     _store(run)                                                       # the store is the run folder itself
-    with pytest.raises(ConfigError, match="contains the save folder"):
-        olmo_train._choose_start(_cfg(run), TDAConfig())
-    assert (run / "step2").is_dir() and (run / "store.json").is_file()
+    olmo_train._choose_start(_cfg(run), TDAConfig())
+    assert (run / "store.json").is_file() and GradientStore.open(run).num_rows == 2 and not (run / "step2").exists()
+
+
+def test_a_relative_path_of_an_older_run_is_left_alone(tmp_path, monkeypatch):
+    """Older versions saved tda.store.path as given: relative to a directory no later process knows.
+    From another directory the same name is another run's store, which must survive."""
+    old_cwd, now = tmp_path / "then", tmp_path / "now"
+    for d in (old_cwd, now):
+        _store(d / "store")
+    run = _old_run(tmp_path / "run", {"store": {"path": "store"}})
+    monkeypatch.chdir(now)
+    olmo_train._choose_start(_cfg(run), TDAConfig())
+    assert GradientStore.open(now / "store").num_rows == 2 and GradientStore.open(old_cwd / "store").num_rows == 2
+
+
+def test_trajectory_debris_and_an_outside_latest_link(tmp_path):
+    """A crash mid-rewrite leaves stepN.old.tmp (the old trajectory is still removed); a `latest` link
+    to a checkpoint outside the folder is only unlinked, even when that checkpoint is loaded."""
+    run = _old_run(tmp_path / "run")
+    (run / "tda" / "trajectory" / "step00000000.old.tmp").mkdir()
+    elsewhere = tmp_path / "other" / "step5"
+    elsewhere.mkdir(parents=True)
+    (run / "latest").unlink()
+    os.symlink(elsewhere, run / "latest")
+    olmo_train._choose_start(_cfg(run, load_path=str(run / "latest"), reset_trainer_state=True), TDAConfig())
+    assert elsewhere.is_dir() and not os.path.lexists(run / "latest")
+    assert not (run / "tda" / "trajectory").exists()
+
+
+def test_try_load_latest_save_resumes_even_with_reset_flags(tmp_path):
+    """As OLMo's script: a checkpoint found by try_load_latest_save is resumed (reset flags cleared),
+    so a run preempted after its first checkpoint neither restarts nor clears itself."""
+    run = _old_run(tmp_path / "run")
+    cfg = _cfg(run, try_load_latest_save=True, reset_trainer_state=True, reset_optimizer_state=True)
+    olmo_train._choose_start(cfg, TDAConfig())
+    assert cfg.load_path == str(run / "step2") and not cfg.reset_trainer_state and not cfg.reset_optimizer_state
+    assert (run / "step2").is_dir() and GradientStore.open(run / "tda" / "store").num_rows == 2
 
 
 @pytest.mark.parametrize("load", ["step2", "file://{run}/step2", "step9"])

@@ -197,7 +197,8 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
 def absolute_paths(cfg, tda_cfg: TDAConfig) -> None:
     """Make the run's local relative paths absolute (from the current directory, where they mean what
     they say now), so the configs saved with the run work from any directory: OLMo's data paths
-    (``paths``, ``datasets``, ``label_mask_paths``) and the TDA files a user named. Unset TDA paths stay unset: they follow the run folder."""
+    (``paths``, ``datasets``, ``label_mask_paths``) and the TDA files a user named. Unset TDA paths
+    stay unset: they follow the run folder."""
     data = cfg.data
     data.paths = [_absolute(p) for p in data.paths] if data.paths else data.paths
     if data.datasets:
@@ -222,10 +223,11 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
 
     A fresh start (nothing to load, or ``reset_trainer_state``) over an old run removes what would be
     mixed into the new one: OLMo's checkpoints (``stepN[-unsharded]``, ``latest[-unsharded]``) and the
-    TDA outputs the old run's ``tda.yaml`` names, each only if it looks like what it should be (a store
-    holds ``store.json``, a trajectory only checkpoint folders). Anything that contains the save
-    folder or the checkpoint to load is refused, not removed; so is a TDA path of the new config that
-    already holds another run's store or trajectory, in any folder."""
+    TDA outputs the old run's ``tda.yaml`` names, each only if it holds what it should and nothing else
+    (a store's files, a trajectory's checkpoint folders). Anything that contains the save folder or the
+    checkpoint to load is refused, not removed; so is a TDA path of the new config that already holds
+    another run's store or trajectory, in any folder. Rank 0 decides and removes; every rank gets its
+    outcome (shared save folders, as OLMo's own ``config.yaml`` needs)."""
     from olmo.util import find_latest_checkpoint
 
     folder = Path(cfg.save_folder)
@@ -233,9 +235,24 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
         latest = find_latest_checkpoint(folder) if folder.is_dir() else None
         if latest is None and cfg.remote_save_folder:
             latest = find_latest_checkpoint(cfg.remote_save_folder)
-        if latest is not None:
+        if latest is not None:     # a resume (after a preemption, say): as OLMo's script, reset nothing
             log.info("try_load_latest_save: resuming from %s", latest)
             cfg.load_path = str(latest)
+            cfg.reset_trainer_state = cfg.reset_optimizer_state = False
+    # rank 0 checks and removes; the others wait for its outcome, so all raise or all go on together
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            _check_and_clear(cfg, tda_cfg, folder)
+        except ConfigError as e:
+            error = str(e)
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise ConfigError(outcome[0])
+
+
+def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> None:
     load = _local(cfg.load_path)
     if load is not None and not load.exists():
         raise ConfigError(f"load_path: no such checkpoint {cfg.load_path}")
@@ -245,7 +262,6 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
                           "overwrite it, with --load_path=... or --try_load_latest_save to resume it")
     fresh = not cfg.dry_run and (cfg.load_path is None or cfg.reset_trainer_state)
     if not fresh:                 # a resume keeps the folder: the store is cut back when it is restored
-        dist.barrier()
         return
     stale: list[Path] = []
     checkpoints: list[Path] = []
@@ -256,6 +272,8 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
         checkpoints = [p for p in folder.iterdir() if _CHECKPOINT.match(p.name) or p.name in _LATEST]
         stale = checkpoints + _old_tda_outputs(folder)
         for path in stale:
+            if path in checkpoints and path.is_symlink():
+                continue                  # `latest`: only the link goes, whatever it points at
             for keep, what in ((folder, "the save folder"), (load, "load_path")):
                 if keep is not None and _inside(keep, path):
                     raise ConfigError(f"{path} (of the old run in {folder}) contains {what} {keep}: refusing to "
@@ -266,11 +284,10 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
         if path.resolve() not in gone and _holds(path, kind, rows=True):
             raise ConfigError(f"tda.{kind}.path {path} already holds a {kind} (of another run): a new run would mix "
                               "into it; point it elsewhere or remove it")
-    if stale and int(os.environ.get("LOCAL_RANK", "0")) == 0:    # once per node (node-local folders)
+    if stale:
         log.warning("save_overwrite on a fresh start: removing the old run's %s", ", ".join(map(str, stale)))
         for path in stale:
             _remove(path, through_link=path not in checkpoints)
-    dist.barrier()
 
 
 _CHECKPOINT = re.compile(r"^step\d+(-unsharded)?$")
@@ -309,27 +326,35 @@ def _holds(path: Path, kind: str, *, rows: bool = False) -> bool:
     return path.is_dir() and any(p.is_dir() and _TRAJECTORY_ENTRY.match(p.name) for p in path.iterdir())
 
 
-_TRAJECTORY_ENTRY = re.compile(r"^step\d+(\.tmp)?$")
+_TRAJECTORY_ENTRY = re.compile(r"^step\d+(\..*\.tmp|\.tmp)?$")     # a checkpoint, or the debris of one
+_STORE_ENTRY = re.compile(r"^(store\.json.*|manifest-r\d+\.json.*|shards|locks|quarantine|cache|\..*)$")
 
 
 def _old_tda_outputs(folder: Path) -> list[Path]:
     """What the run in ``folder`` wrote under TDA, by its ``tda.yaml`` (the defaults under
-    ``folder/tda`` if it has none): the store and trajectory where they look like one, its selection
-    log, metrics and estimated eigenbasis."""
+    ``folder/tda`` if it has none): the store and trajectory where they hold one and nothing else
+    (never a relative path: older versions saved them as given), its selection log, metrics and
+    estimated eigenbasis."""
     tda = folder / "tda"
     try:
         old = TDAConfig.from_dict((yaml.safe_load((folder / TDA_YAML).read_text()) or {}).get("tda"))
     except (OSError, yaml.YAMLError, ConfigError, AttributeError):
         old = TDAConfig()
     out = []
-    for path, kind in ((Path(old.store.path or tda / "store"), "store"),
-                       (Path(old.trajectory.path or tda / "trajectory"), "trajectory")):
-        if _holds(path, kind) and (kind == "store" or all(p.name.startswith(".") or _TRAJECTORY_ENTRY.match(p.name)
-                                                          for p in path.iterdir())):
-            out.append(path)
-        elif os.path.lexists(path) and not _inside(path, tda):
-            log.warning("save_overwrite: leaving %s (the old run's tda.%s.path) as it is: it does not look like "
-                        "a %s", path, kind, kind)
+    for named, default, kind in ((old.store.path, tda / "store", "store"),
+                                 (old.trajectory.path, tda / "trajectory", "trajectory")):
+        path = Path(named or default)
+        if named and not path.is_absolute():      # saved by a version that kept it relative: to what, unknown
+            log.warning("save_overwrite: leaving %s (the old run's tda.%s.path, relative to a directory this "
+                        "process cannot know) as it is", named, kind)
+            continue
+        entry = _STORE_ENTRY if kind == "store" else _TRAJECTORY_ENTRY
+        if _holds(path, kind) and all(entry.match(p.name) for p in path.iterdir()):
+            if path not in out:
+                out.append(path)
+        elif os.path.lexists(path) and path not in out:
+            log.warning("save_overwrite: leaving %s (the old run's tda.%s.path) as it is: it holds more than a %s",
+                        path, kind, kind)
     out += [p for p in (tda / "selection", tda / "metrics.jsonl") if os.path.lexists(p)]
     if not old.capture.basis and (tda / BASIS_FILE).is_file():
         out.append(tda / BASIS_FILE)
@@ -338,11 +363,15 @@ def _old_tda_outputs(folder: Path) -> list[Path]:
 
 def _remove(path: Path, *, through_link: bool = False) -> None:
     """Remove a file, folder or link; ``through_link``: a linked folder (a store on another disk) is
-    emptied and its link kept."""
-    if through_link and path.is_symlink() and path.is_dir():
-        for child in path.iterdir():
-            _remove(child)
-    elif path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        path.unlink(missing_ok=True)
+    emptied and its link kept. A failure is an error: a half-removed store must not be appended to."""
+    try:
+        if through_link and path.is_symlink() and path.is_dir():
+            for child in path.iterdir():
+                _remove(child)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        raise ConfigError(f"save_overwrite: cannot remove the old run's {path} ({e.strerror or e}); remove it "
+                          "yourself") from None

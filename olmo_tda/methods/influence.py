@@ -349,7 +349,8 @@ class Influence:
         if any(not d > 0 for d in damping.values()):
             raise ValueError(f"influence: a layer has zero gradients in the store, so the default damping is 0: "
                              f"{[n for n, d in damping.items() if not d > 0]}; pass damping=")
-        _warn_tiny_damping(damping, {n: trace[n] / (shapes[n][0] * shapes[n][1]) for n in layers})
+        dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
+        _warn_tiny_damping(damping, {n: trace[n] / dims[n] for n in layers if num < dims[n]})
         if self.hessian == "raw":
             factors = {n: torch.linalg.cholesky(fisher[n] + damping[n] * torch.eye(len(fisher[n]), dtype=torch.float64))
                        for n in layers}
@@ -378,7 +379,8 @@ class Influence:
         if not lam > 0:
             raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; "
                              "pass damping=")
-        _warn_tiny_damping({"all layers (joint)": lam}, {"all layers (joint)": trace / dim})
+        if num < dim:
+            _warn_tiny_damping({"all layers (joint)": lam}, {"all layers (joint)": trace / dim})
         if self._explicit:
             factor = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
         damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
@@ -439,7 +441,9 @@ dimensions (F singular) loses most of its digits: the error grows like λ_max / 
 
 
 def _warn_tiny_damping(damping: dict[str, float], mean_eig: dict[str, float]) -> None:
-    tiny = {n: d / mean_eig[n] for n, d in damping.items() if mean_eig[n] > 0 and d < TINY_DAMPING * mean_eig[n]}
+    """Warn about the layers of ``mean_eig`` (those with fewer rows than dimensions) damped below
+    :data:`TINY_DAMPING` of their mean eigenvalue."""
+    tiny = {n: damping[n] / e for n, e in mean_eig.items() if e > 0 and damping[n] < TINY_DAMPING * e}
     if tiny:
         worst = min(tiny, key=tiny.get)
         log.warning("influence: damping is %.1e of the mean Fisher eigenvalue at %s (%d layer(s) below %.0e): "
