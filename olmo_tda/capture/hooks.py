@@ -421,7 +421,7 @@ class GradientCapture:
                     acts_BTKi = proj.project_in(_scaled_in(a, scale[1].to(a.device), self._with_bias[name]), False)
         # An identity input side keeps the input itself until backward: a later in-place change to it
         # (which autograd allows when the weight needs no gradient) would change the capture
-        alias = (acts, acts._version) if _same_memory(acts_BTKi, acts) else None
+        alias = (acts, acts._version) if proj.in_identity and _same_memory(acts_BTKi, acts) else None
         # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
         # re-entrant checkpointing, where they belong to the forward being backpropagated.
         output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi,

@@ -49,6 +49,8 @@ class Projector(Protocol):
 
     k_out: int
     k_in: int
+    in_identity: bool
+    """``project_in`` may hand back its input itself (no copy): capture then checks it is not changed."""
 
     def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor: ...
     def project_ids(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor: ...
@@ -72,6 +74,8 @@ def _append_ones(acts: torch.Tensor) -> torch.Tensor:
 
 class IdentityProjector:
     """``proj_dim=0``: exact, unprojected gradients (k_out = n_out, k_in = n_in [+1 for bias])."""
+
+    in_identity = True
 
     def __init__(self, name: str, n_out: int, n_in: int):
         self.name, self.k_out, self.k_in = name, n_out, n_in
@@ -132,10 +136,10 @@ class MatrixProjector:
         self._bias_col = self._in_W[:, -1].contiguous()
         self._in_W_T: torch.Tensor | None = None        # [n_in, k_in], made on first project_ids
         self._out_identity = _is_identity(self.proj_out_KO)
-        self._in_identity = _is_identity(self.proj_in_KI)
+        self.in_identity = _is_identity(self.proj_in_KI)
 
     def project_in(self, acts: torch.Tensor, with_bias: bool) -> torch.Tensor:
-        if self._in_identity:
+        if self.in_identity:
             return _append_ones(acts) if with_bias else acts
         if not with_bias:
             return F.linear(acts, self._in_W)
@@ -143,7 +147,7 @@ class MatrixProjector:
         return F.linear(acts, self._in_W_nobias, self._bias_col)
 
     def project_ids(self, ids: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
-        if self._in_identity:
+        if self.in_identity:
             return _mask_padding(F.one_hot(ids, self.n_in).float(), ids, padding_idx)
         if self._in_W_T is None:
             self._in_W_T = self._in_W.T.contiguous()
