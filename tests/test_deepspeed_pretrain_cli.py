@@ -55,9 +55,22 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
     assert (run / script.WEIGHTS_FILE).is_file() and (run / "checkpoints" / "latest").is_file()
     run_json = json.loads((run / script.RUN_JSON).read_text())
     assert run_json["seq_len"] == run_json["model"]["max_sequence_length"] == 32
+    written = {name: (run / name).read_bytes() for name in ("config.json", script.RUN_JSON)}
     again = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=1", *SMALL)
     assert again.returncode == 2
     assert "steps: 1 is below the step 2 of the checkpoint" in error_line(again.stderr)
+    # another model: refused by the gradient store, or (tda off) by the checkpoint, in one line each
+    wider = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=3", *SMALL, "--model.d_model=64")
+    assert wider.returncode == 2
+    assert f"gradient store {run / 'tda' / 'store'} was written with different settings" in error_line(wider.stderr)
+    untracked = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=3", *SMALL, "--model.d_model=64",
+                           "--tda.enabled=false")
+    assert untracked.returncode == 2
+    line = error_line(untracked.stderr)
+    assert f"run_dir: cannot resume from the checkpoint in {run / 'checkpoints'}: RuntimeError: " in line
+    assert "size mismatch" in line and "give a new run_dir to start over" in line
+    # the refused runs left the files of the run they refused to continue as they were
+    assert {name: (run / name).read_bytes() for name in written} == written
 
 
 def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_path):

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, TDAConfig, to_plain
+from ..store.errors import StoreError
+from ..store.format import write_json_atomic
 from ..training.selection import DataOrder
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
@@ -324,8 +326,6 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     tda = TDAConfig.from_dict(tda_section)
     if tda.enabled and tda.store.path is None:
         tda.store.path = str(run_dir / "tda" / "store")
-    if rank == 0:
-        (run_dir / "config.json").write_text(json.dumps({**cfg, "tda": tda.to_dict()}, indent=2))
 
     torch.manual_seed(int(cfg.get("seed", 0)))
     stage = _check_deepspeed_config(ds_config)
@@ -339,25 +339,35 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
     session = attach(engine, tda)
-    if rank == 0:   # what `olmo-tda attribute RUN` needs to open this run (DeepSpeedRun)
+    ckpt = run_dir / "checkpoints"
+    if (ckpt / "latest").exists():
+        try:
+            engine.load_checkpoint(str(ckpt))      # tda resumes its store from the checkpoint too
+        except (RuntimeError, KeyError, ValueError, OSError) as e:
+            session.close()
+            raise ConfigError(f"run_dir: cannot resume from the checkpoint in {ckpt}: {type(e).__name__}: "
+                              f"{_one_line(e)[:400]} -- run with the config that wrote it ({run_dir / 'config.json'}), "
+                              f"or give a new run_dir to start over") from None
+        log.info("resumed from %s at step %d", ckpt, engine.global_steps)
+        if engine.global_steps > int(cfg["steps"]):   # a checkpoint tagged step{steps} would hold a later step
+            session.close()
+            raise ConfigError(f"steps: {cfg['steps']} is below the step {engine.global_steps} of the checkpoint in "
+                              f"{ckpt}; give --steps >= {engine.global_steps}, or a new run_dir to start over")
+    # Written once the run has started or resumed: a refused resume leaves the files of the run it
+    # refused to continue as they were.
+    if rank == 0:
+        write_json_atomic(run_dir / "config.json", {**cfg, "tda": tda.to_dict()})
+        # what `olmo-tda attribute RUN` needs to open this run (DeepSpeedRun)
         from ..demo.data import BYTE_TOKENIZER_ID
 
         tokenizer = cfg.get("tokenizer") or (BYTE_TOKENIZER_ID if not (cfg.get("data") or {}).get("paths") else None)
         if tokenizer is None:
             log.warning("no `tokenizer:` for data.paths: `olmo-tda attribute %s` will not be able to encode queries",
                         run_dir)
-        (run_dir / RUN_JSON).write_text(json.dumps({
+        write_json_atomic(run_dir / RUN_JSON, {
             "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
-            "weights": WEIGHTS_FILE}, indent=2))
-    ckpt = run_dir / "checkpoints"
-    if (ckpt / "latest").exists():
-        engine.load_checkpoint(str(ckpt))          # tda resumes its store from the checkpoint too
-        log.info("resumed from %s at step %d", ckpt, engine.global_steps)
-        if engine.global_steps > int(cfg["steps"]):   # a checkpoint tagged step{steps} would hold a later step
-            session.close()
-            raise ConfigError(f"steps: {cfg['steps']} is below the step {engine.global_steps} of the checkpoint in "
-                              f"{ckpt}; give --steps >= {engine.global_steps}, or a new run_dir to start over")
+            "weights": WEIGHTS_FILE})
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     steps, save_every = int(cfg["steps"]), int(cfg.get("save_every") or 0)
@@ -483,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         summary = train(load_config(args.config, args.overrides + unknown))
-    except ConfigError as e:
+    except (ConfigError, StoreError) as e:    # a store another config wrote, a corrupt or full one
         print(f"error: {e}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":
