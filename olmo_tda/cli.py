@@ -28,9 +28,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def resolve_store(path: str | Path) -> Path:
-    """A store directory, or a run directory holding one (``tda/store``, or ``store`` for the demo)."""
+    """A store directory, or a run directory holding one: where its saved config puts it (by default
+    ``tda/store``; ``store`` or ``run/tda/store`` for the demo's output folder)."""
+    from .integrations.olmo_query import run_outputs
+
     path = Path(path)
-    for candidate in (path, path / "tda" / "store", path / "store", path / "run" / "tda" / "store"):
+    named = run_outputs(path)
+    for candidate in (path, *(named[:1] if named else ()), path / "tda" / "store", path / "store",
+                      path / "run" / "tda" / "store"):
         if (candidate / "store.json").exists():
             return candidate
     return path
@@ -48,7 +53,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _read_queries(args: argparse.Namespace) -> list[str]:
     texts = list(args.query or [])
     if args.query_file:
-        for n, line in enumerate(Path(args.query_file).read_text().splitlines(), 1):
+        try:
+            lines = Path(args.query_file).read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--query-file {args.query_file}: not UTF-8 text ({e})") from None
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
@@ -99,6 +108,9 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
             if args.method not in ("graddot", "gradcos", "influence"):
                 raise ValueError(f"{flag} applies to graddot, gradcos and influence, not {args.method}")
             options[key] = value
+    for flag, out in (("--json", args.json), ("--html", args.html)):
+        if out and not Path(out).resolve().parent.is_dir():       # before the work, not after it
+            raise ValueError(f"{flag} {out}: no such folder {Path(out).resolve().parent}")
     run = open_run(run_dir)
     answers = run.attribute(_read_queries(args), method=args.method, top_k=args.top_k,
                             progress=sys.stderr.isatty(), ids=ids, **options)
@@ -111,6 +123,9 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
             answer["damping"] = damping
     for answer in answers:
         print(f"\nquery: {answer['query'][:100]!r}")
+        if "scored_tokens" in answer:
+            print(f"  (scored on its first {answer['scored_tokens']} of {answer['tokens']} tokens: the model's "
+                  "max_sequence_length)")
         print(f"  {'#':>2} {'index':>8} {'step':>6} {'score':>9}  training passage")
         for rank, r in enumerate(answer["results"], 1):
             step = "all" if r["step"] < 0 else r["step"]
@@ -136,8 +151,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     from .training.trajectory import Trajectory
 
+    from .integrations.olmo_query import run_outputs
+
     path = Path(args.path)
-    trajectory = next((c for c in (path / "tda" / "trajectory", path / "run" / "tda" / "trajectory", path)
+    named = run_outputs(path)
+    trajectory = next((c for c in (*(named[1:] if named else ()), path / "tda" / "trajectory",
+                                   path / "run" / "tda" / "trajectory", path)
                        if c.is_dir() and any(c.glob("step*/meta.json"))), None)
     store_dir = resolve_store(path)
     summary = GradientStore.open(store_dir).summary() if (store_dir / "store.json").exists() or trajectory is None else {}

@@ -467,8 +467,8 @@ class SelectionConfig:
         _check(self.score_tokens >= 0, f"{path}.score_tokens", f"must be >= 0 (0 = all), got {self.score_tokens}")
         _check(self.measure >= 0, f"{path}.measure", f"must be >= 0 (0 = the whole window), got {self.measure}")
         _check(self.score_tokens != 1, f"{path}.score_tokens", "needs at least 2 tokens (one next-token loss)")
-        _check(self.precondition_damping > 0, f"{path}.precondition_damping",
-               f"must be > 0, got {self.precondition_damping}")
+        _check(0 < self.precondition_damping < math.inf, f"{path}.precondition_damping",
+               f"must be finite and > 0, got {self.precondition_damping}")
         _check(self.micro_batch >= 0, f"{path}.micro_batch", f"must be >= 0, got {self.micro_batch}")
         _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
         if self.enabled and self.policy in (SelectionPolicy.GREATS, SelectionPolicy.ALIGNMENT):
@@ -648,10 +648,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], *, path: str = "
             raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
         node = out
         parts = key.split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {path}.{part} is not a section")
+                raise ConfigError(f"override {item!r}: {path}.{'.'.join(parts[:i + 1])} is not a section")
             node = child
         node[parts[-1]] = value
     return out

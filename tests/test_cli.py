@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import shutil
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from olmo_tda.cli import main
 
@@ -108,6 +110,78 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     assert "--ids: expected integers" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "tracin", "--ids", "100000"]) == 2
     assert "instance indices in [0, 512)" in capsys.readouterr().err
+
+    # a query longer than the model's 64 tokens is scored on its first 64, and the answer says so
+    longer = passage["text"] + " and then some words past the model's max_sequence_length"
+    assert main(["attribute", str(out), "--query", longer, "--top-k", "1", "--json", str(tmp_path / "long.json")]) == 0
+    answer = json.loads((tmp_path / "long.json").read_text())[0]
+    assert answer["query"] == longer and answer["scored_tokens"] == 64 and answer["tokens"] == len(longer.encode())
+    assert answer["results"][0]["index"] == passage["index"]
+    assert "(scored on its first 64 of" in capsys.readouterr().out
+    # refused before any work: an output file in a folder that does not exist, a query file not UTF-8
+    assert main(["attribute", str(out), "--query", "x y", "--json", str(tmp_path / "no" / "a.json")]) == 2
+    assert f"--json {tmp_path / 'no' / 'a.json'}: no such folder" in capsys.readouterr().err
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe{}\n")
+    assert main(["attribute", str(out), "--query-file", str(tmp_path / "bin.jsonl")]) == 2
+    assert f"--query-file {tmp_path / 'bin.jsonl'}: not UTF-8 text" in capsys.readouterr().err
+
+    # the report takes the demo's folder (its run is in run/)
+    assert main(["report", str(out)]) == 0
+    assert (out / "run" / "tda" / "report.html").is_file()
+
+
+def test_damaged_or_moved_run_files(tmp_path, capsys):
+    """A run whose saved files were damaged is refused in one line naming the file; one whose store
+    and trajectory were moved (its tda.yaml says where), whose selection target is gone, or which has
+    a stray folder named like a checkpoint, is still queried and inspected."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--no-progress", "--out", str(out)]) == 0
+    run = out / "run"
+    passage = json.loads((out / "data" / "passages.jsonl").read_text().splitlines()[5])
+    capsys.readouterr()
+
+    def attribute(folder) -> int:
+        return main(["attribute", str(folder), "--query", passage["text"], "--top-k", "1",
+                     "--json", str(tmp_path / "a.json")])
+
+    saved = {name: (run / name).read_text() for name in ("tda.yaml", "config.yaml")}
+    for name, text, message in (("tda.yaml", "tda:\n  capture: [\n", "tda.yaml: not valid YAML"),
+                                ("tda.yaml", "- 1\n", "tda.yaml: expected a mapping with a tda: section, got list"),
+                                ("tda.yaml", "tda:\n  capture:\n    proj_dimm: 8\n",
+                                 "tda.yaml: tda.capture.proj_dimm: unknown key"),
+                                ("config.yaml", "model: [\n", "config.yaml: not a readable OLMo config")):
+        (run / name).write_text(text)
+        assert attribute(run) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{run / name}" in err and message in err, err
+        (run / name).write_text(saved[name])
+
+    # moved store and trajectory, a selection target that is gone, a stray stepX-unsharded folder
+    shutil.move(str(run / "tda" / "store"), str(tmp_path / "store"))
+    shutil.move(str(run / "tda" / "trajectory"), str(tmp_path / "trajectory"))
+    tda = yaml.safe_load(saved["tda.yaml"])
+    tda["tda"]["store"]["path"], tda["tda"]["trajectory"]["path"] = str(tmp_path / "store"), str(tmp_path / "trajectory")
+    tda["tda"]["selection"].update(enabled=True, target=str(tmp_path / "gone.txt"))
+    (run / "tda.yaml").write_text(yaml.safe_dump(tda))
+    (run / "stepfoo-unsharded").mkdir()
+    assert attribute(out) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "a.json").read_text())[0]["results"][0]["index"] == passage["index"]
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["path"] == str(tmp_path / "store") and summary["num_rows"] == 1024
+    assert summary["trajectory"]["path"] == str(tmp_path / "trajectory")
+
+    # the report reads past a torn last line of the metrics; a folder with nothing to report on is
+    # refused without a tda/ folder made in it
+    metrics = run / "tda" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 99, "train/Cross')
+    assert main(["report", str(run)]) == 0
+    assert main(["report", str(tmp_path / "typo")]) == 2
+    assert "no tda/metrics.jsonl" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+    metrics.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    assert main(["report", str(run)]) == 2
+    assert f"{metrics}:2: corrupt line (not JSON)" in capsys.readouterr().err
 
 
 def test_attribute_needs_a_query(tmp_path, capsys):

@@ -80,3 +80,8 @@ def test_a_non_mapping_tda_section_is_an_error(tmp_path):
         TDAConfig.from_yaml(f)
     f.write_text("model: {}\n")
     assert TDAConfig.from_yaml(f) == TDAConfig()
+
+
+def test_an_override_into_a_value_names_its_full_key():
+    with pytest.raises(ConfigError, match=r"tda\.capture\.modules is not a section"):
+        apply_overrides({"capture": {"modules": ["a"]}}, ["capture.modules.0=x"])

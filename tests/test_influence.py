@@ -318,8 +318,11 @@ def test_influence_damping_sweep(olmo_grads):
 def test_influence_bad_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="hessian must be 'raw', 'lorif', 'ekfac' or 'joint'"):
         get_method("influence", hessian="kfac")
-    with pytest.raises(ValueError, match="damping must be > 0"):
-        get_method("influence", damping=0.0)
+    for damping in (0.0, -1.0, float("inf"), float("nan")):      # inf damping would zero every score
+        with pytest.raises(ValueError, match="damping must be finite and > 0"):
+            get_method("influence", damping=damping)
+    with pytest.raises(ValueError, match="damping_ratio must be finite and > 0"):
+        get_method("influence", damping_ratio=float("inf"))
     with pytest.raises(ValueError, match="rank is the rank of hessian='lorif' or 'joint', not of hessian='ekfac'"):
         get_method("influence", rank=16)
     with pytest.raises(ValueError, match="not of hessian='raw'"):

@@ -274,6 +274,15 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
     kept = [c.step for c in Trajectory.list(run / "tda" / "trajectory")]
     assert kept == uninterrupted_trajectory(store_dir) and kept[-1] > 2, kept
 
+    # back to an earlier checkpoint of the same run: the steps after it run again, and the store and
+    # the metrics hold each step once (the abandoned steps' rows are cut, not appended after)
+    redo = _train(more + [f"--load_path={run / 'step6-unsharded'}", "--optimizer.learning_rate=0.03"], cwd=tmp_path)
+    assert redo.returncode == 0, redo.stderr[-3000:]
+    fourth, _ = stored(store_dir)
+    assert {s for s, _ in fourth} == set(range(1, 9)) and len(fourth) == len(set(fourth)) == 8 * GBS
+    steps = [json.loads(x)["step"] for x in (run / "tda" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9)), steps
+
     # resuming this run's checkpoint into another folder, with its own store: said, not silent
     other = [a.replace(str(run), str(data_dir / "run_reuse_other")).replace("store_elsewhere", "store_other")
              .replace("--max_duration=8", "--max_duration=9").replace("--stop_at=8", "--stop_at=9") for a in more]

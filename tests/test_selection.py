@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -537,3 +538,36 @@ def test_two_rank_preconditioned_round_equals_one_process(tmp_path):
         assert np.array_equal(two[0, :-1], two[1, :-1])                   # both ranks apply one order
         assert np.array_equal(two[0, :-1].astype(np.int64), order)        # the one a single process finds
         assert two[0, -1] == pytest.approx(promoted, rel=1e-4), (window, target_examples)
+
+
+def test_selection_target_is_read_by_its_suffix_and_checked(tmp_path):
+    """Texts, JSONL and token files give the same rows whatever the suffix's case; a file of another
+    type, a token file of the wrong size or with ids outside the vocabulary, and a JSONL text that is
+    not a string are refused naming the file, never read as nonsense ids."""
+    from olmo_tda.training.selector import load_target
+
+    def encode(text):
+        return list(text.encode())
+
+    lines = ["the quick brown fox", "jumps over the lazy dog", "and runs away"]
+    want = list(b"the quick brown fox") + [0] + list(b"jumps over the lazy dog") + [0] + list(b"and runs away") + [0]
+    want = torch.tensor(want[:len(want) // 8 * 8]).reshape(-1, 8)
+    for name in ("t.txt", "t.TXT", "t.text", "t.md"):
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        assert torch.equal(load_target(tmp_path / name, 8, encode, num=100, eos_token_id=0, vocab_size=257), want)
+    (tmp_path / "t.JSONL").write_text("".join(json.dumps({"text": x}) + "\n" for x in lines))
+    assert torch.equal(load_target(tmp_path / "t.JSONL", 8, encode, num=100, eos_token_id=0), want)
+    np.asarray(want.flatten(), dtype=np.uint16).tofile(tmp_path / "t.bin")      # OLMo's raw memmap
+    assert torch.equal(load_target(tmp_path / "t.bin", 8, encode, num=100, eos_token_id=0, vocab_size=257), want)
+    np.save(tmp_path / "t.npy", want.numpy())
+    assert torch.equal(load_target(tmp_path / "t.npy", 8, encode, num=2, eos_token_id=0), want[:2])
+
+    (tmp_path / "t.csv").write_text("a,b\n")
+    (tmp_path / "odd.bin").write_bytes(b"abc")
+    (tmp_path / "bad.jsonl").write_text('{"text": 3}\n')
+    (tmp_path / "big.bin").write_bytes(b"ab" * 64)             # two bytes of text read as one id: 25185
+    for name, message in (("t.csv", "unknown file type '.csv'"), ("odd.bin", "3 bytes is not a whole number"),
+                          ("bad.jsonl", "bad.jsonl:1: 'text' is int, not a string"),
+                          ("big.bin", "token ids span [25185, 25185], outside the model's vocabulary [0, 257)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_target(tmp_path / name, 8, encode, num=4, eos_token_id=0, vocab_size=257)

@@ -447,26 +447,36 @@ def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData,
                      cfg: dict[str, Any], run_dir: Path):
     from ..demo.corpus import ByteTokenizer
     from ..demo.data import BYTE_TOKENIZER_ID
-    from ..training.selector import load_target
+    from ..training.selector import load_target, target_kind
     from .deepspeed import DeepSpeedSelection
 
     seq_len = int(cfg["data"]["seq_len"])
     target = None
     if tda.selection.target:
         byte_data = not (cfg.get("data") or {}).get("paths") or cfg.get("tokenizer") == BYTE_TOKENIZER_ID
-        if Path(tda.selection.target).suffix in (".txt", ".jsonl") and not byte_data:
+        try:
+            kind = target_kind(tda.selection.target)
+        except ValueError as e:
+            raise ConfigError(f"tda.selection.target: {e}") from None
+        if kind != "tokens" and not byte_data:
             raise ConfigError("tda.selection.target: this script tokenizes target texts with the byte tokenizer only; "
                               "give a token file (.npy ids or a uint16 memmap) for other tokenizers")
         eos = int(cfg["model"].get("eos_token_id", 256))
         try:
             target = load_target(tda.selection.target, seq_len, ByteTokenizer().encode,
-                                 num=tda.selection.target_examples, eos_token_id=eos)
+                                 num=tda.selection.target_examples, eos_token_id=eos,
+                                 vocab_size=_vocab_rows(engine.module.olmo.config))
         except (OSError, ValueError) as e:
             raise ConfigError(f"tda.selection.target: {e}") from None
     return DeepSpeedSelection(engine, tda.selection, order=data_order, seq_len=seq_len,
                               fetch=lambda ids: data.batch(ids)["input_ids"],
                               forward=lambda m, ids: m.olmo(ids).logits, log_folder=run_dir / "tda" / "selection",
                               target_tokens=target, pause=(session.capture,) if session.capture is not None else ())
+
+
+def _vocab_rows(model_cfg: Any) -> int:
+    """Token ids the model's embedding takes: ``[0, embedding_size or vocab_size)``."""
+    return int(model_cfg.embedding_size or model_cfg.vocab_size)
 
 
 def _save_final_weights(engine: Any, path: Path, rank: int) -> None:

@@ -245,7 +245,8 @@ class TDATrainer(Trainer):
         if sel.target:
             target = load_target(sel.target, self.cfg.model.max_sequence_length, self._encode,
                                  num=sel.target_examples, eos_token_id=self.cfg.model.eos_token_id,
-                                 memmap_dtype=np.dtype(getattr(data, "effective_memmap_dtype", np.uint16)))
+                                 memmap_dtype=np.dtype(getattr(data, "effective_memmap_dtype", np.uint16)),
+                                 vocab_size=self.cfg.model.embedding_size or self.cfg.model.vocab_size)
         ddp = hasattr(self.dist_model, "module") and not isinstance(self.dist_model, _fsdp_class())
         self.selector = OnlineSelector(
             sel, self.dist_model.module if ddp else self.dist_model, forward=self._logits, log_folder=folder,
@@ -434,6 +435,8 @@ class TDATrainer(Trainer):
                               f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
         if self.trajectory is not None:     # drops the abandoned run's later checkpoints
             self.trajectory.resume(self.global_step, state_dict.get("tda_trajectory"))
+        if self._metrics_file is not None:  # and its later steps' metrics, which will be re-run
+            self._cut_metrics(self.global_step)
         if self.selector is not None:
             self._reapply_selection()
         if self.store is None:
@@ -447,6 +450,26 @@ class TDATrainer(Trainer):
         dropped = self.store.truncate_after(self.global_step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
+
+    def _cut_metrics(self, step: int) -> None:
+        """Keep ``tda/metrics.jsonl``'s rows up to ``step`` (written to a temp file, then renamed)."""
+        from ..report.html import read_metrics
+
+        path = Path(self._metrics_file.name)
+        self._metrics_file.close()
+        try:
+            kept = [row for row in read_metrics(path) if row["step"] <= step]
+        except ValueError as e:     # a damaged local copy must not stop the run: W&B has the metrics too
+            log.warning("tda: %s; left as it is (steps past %d stay in it)", e, step)
+            self._metrics_file = open(path, "a", buffering=1)
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._metrics_file = open(path, "a", buffering=1)
 
     def save_checkpoint(self, checkpoint_type: CheckpointType = CheckpointType.sharded):
         if self.store is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,14 +27,14 @@ import torch
 import yaml
 
 from ..capture import GradientCapture, activation_grads_only
-from ..config import ProjectionType, TDAConfig
+from ..config import ConfigError, ProjectionType, TDAConfig, apply_overrides
 from ..demo.corpus import ByteTokenizer
 from ..demo.data import BYTE_TOKENIZER_ID
 from ..methods import attribute
 from ..store import GradientStore
 from .olmo import TDA_YAML, basis_path
 
-__all__ = ["OLMoRun", "DeepSpeedRun", "open_run"]
+__all__ = ["OLMoRun", "DeepSpeedRun", "open_run", "run_outputs", "saved_tda_config"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,12 @@ class OLMoRun:
         for needed in ("config.yaml", TDA_YAML):
             if not (self.dir / needed).is_file():
                 raise FileNotFoundError(f"{self.dir} is not an olmo-tda run directory (no {needed})")
-        self.cfg = TrainConfig.load(self.dir / "config.yaml", validate_paths=False)
-        self.tda = TDAConfig.from_dict((yaml.safe_load((self.dir / TDA_YAML).read_text()) or {}).get("tda"))
+        try:
+            self.cfg = TrainConfig.load(self.dir / "config.yaml", validate_paths=False)
+        except Exception as e:  # noqa: BLE001 - YAML, OmegaConf and OLMo's own errors: all a damaged file
+            raise ConfigError(f"{self.dir / 'config.yaml'}: not a readable OLMo config "
+                              f"({type(e).__name__}: {_one_line(e)})") from None
+        self.tda = saved_tda_config(self.dir / TDA_YAML)
         if self.tda.capture.proj_type is ProjectionType.EIGEN:     # the frozen eigenbasis the run trained with
             self.tda.capture.basis = str(basis_path(self.tda.capture, self.dir))
         self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"))
@@ -64,7 +69,8 @@ class OLMoRun:
         self._dataset = None
 
     def _latest_checkpoint(self) -> Path:
-        found = sorted(self.dir.glob("step*-unsharded"), key=lambda p: int(p.name[4:].split("-")[0]))
+        found = sorted((p for p in self.dir.glob("step*-unsharded") if _UNSHARDED.match(p.name)),
+                       key=lambda p: int(_UNSHARDED.match(p.name)[1]))
         if not found:
             raise FileNotFoundError(f"{self.dir} has no unsharded checkpoint (stepN-unsharded/model.pt) to "
                                     "compute query gradients with; set save_interval_unsharded in the run")
@@ -79,7 +85,16 @@ class OLMoRun:
     def _encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False) if not isinstance(
             self.tokenizer, ByteTokenizer) else self.tokenizer.encode(text)
-        return ids[: self.cfg.model.max_sequence_length]
+        return ids
+
+    def _query_tokens(self, text: str) -> list[int]:
+        """The tokens of ``text`` a query scores: its first ``max_sequence_length`` (said in a warning,
+        and in the answer's ``scored_tokens``, when that cuts it)."""
+        ids, limit = self._encode(text), self.cfg.model.max_sequence_length
+        if len(ids) > limit:
+            log.warning("query %s is %d tokens: only its first %d (the model's max_sequence_length) are scored",
+                        _short(text), len(ids), limit)
+        return ids[:limit]
 
     def passage(self, index: int) -> str:
         """Decoded text of training instance ``index`` (OLMo's global instance id)."""
@@ -96,7 +111,7 @@ class OLMoRun:
             grads: dict[str, list[torch.Tensor]] = {}
             with activation_grads_only(self.model):
                 for text in texts:
-                    tokens = torch.tensor([self._encode(text)])
+                    tokens = torch.tensor([self._query_tokens(text)])
                     if tokens.shape[1] < 2:
                         raise ValueError(f"query {text!r} is too short: it needs at least 2 tokens")
                     with capture.record([0]) as rec:
@@ -196,8 +211,9 @@ class OLMoRun:
 
     def attribute(self, texts: list[str], *, method: str = "gradcos", top_k: int = 10,
                   progress: bool = False, ids: Any = None, **method_options: Any) -> list[dict[str, Any]]:
-        """``[{"query", "results": [{"index", "step", "score", "text"}, ...]}, ...]`` best first.
-        TracIn methods (``tracin``, ``tracin-inrun``) score examples over all their steps (``step`` -1)."""
+        """``[{"query", "results": [{"index", "step", "score", "text"}, ...]}, ...]`` best first; a query
+        longer than the model's ``max_sequence_length`` is scored on its first tokens, and its answer
+        says so (``tokens``, ``scored_tokens``). TracIn methods (``tracin``, ``tracin-inrun``) score examples over all their steps (``step`` -1)."""
         if method in ("tracin", "tracin-inrun"):
             from ..methods.tracin import top_examples
 
@@ -216,7 +232,11 @@ class OLMoRun:
         for text, rows in zip(texts, result.as_dicts()):
             for row in rows:
                 row["text"] = self.passage(row["index"])
-            out.append({"query": text, "results": rows})
+            answer = {"query": text, "results": rows}
+            tokens = len(self._encode(text))
+            if tokens > self.cfg.model.max_sequence_length:
+                answer.update(tokens=tokens, scored_tokens=self.cfg.model.max_sequence_length)
+            out.append(answer)
         return out
 
 
@@ -227,8 +247,6 @@ class DeepSpeedRun(OLMoRun):
     projectors, match the store's."""
 
     def __init__(self, run_dir: str | Path):
-        import json
-
         from olmo.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig
         from olmo.model import OLMo
         from safetensors.torch import load_file
@@ -239,8 +257,8 @@ class DeepSpeedRun(OLMoRun):
         meta_file = self.dir / RUN_JSON
         if not meta_file.is_file():
             raise FileNotFoundError(f"{self.dir} is not a DeepSpeed example run directory (no {RUN_JSON})")
-        meta = json.loads(meta_file.read_text())
-        self.tda = TDAConfig.from_dict(meta["tda"])
+        meta = _read_run_json(meta_file)
+        self.tda = saved_tda_config(meta_file, meta["tda"])
         self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"))
         model_cfg = ModelConfig(**{**meta["model"], "init_device": "cpu"})
         if model_cfg.max_sequence_length != meta["seq_len"]:
@@ -259,6 +277,69 @@ class DeepSpeedRun(OLMoRun):
         self.checkpoint = weights
         self.tokenizer = self._tokenizer()
         self._dataset = None
+
+
+def run_outputs(path: str | Path) -> tuple[Path, Path] | None:
+    """The gradient store and trajectory folder a run directory's saved config names (an OLMo run's
+    ``tda.yaml``, the DeepSpeed example's ``run.json``; also under ``path/run``, the demo's output),
+    or None where ``path`` is not a run directory."""
+    from .deepspeed_pretrain import RUN_JSON
+
+    for run in (Path(path), Path(path) / "run"):
+        if (run / TDA_YAML).is_file():
+            tda = saved_tda_config(run / TDA_YAML)
+        elif (run / RUN_JSON).is_file():
+            tda = saved_tda_config(run / RUN_JSON, _read_run_json(run / RUN_JSON)["tda"])
+        else:
+            continue
+        return (Path(tda.store.path or run / "tda" / "store"),
+                Path(tda.trajectory.path or run / "tda" / "trajectory"))
+    return None
+
+
+def _read_run_json(meta_file: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{meta_file}: not valid JSON ({e})") from None
+    missing = [k for k in ("tda", "model", "seq_len", "data_paths", "weights")
+               if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ConfigError(f"{meta_file}: damaged (missing {', '.join(missing)}); the DeepSpeed example writes it "
+                          "when a run starts")
+    return meta
+
+
+def saved_tda_config(file: Path, data: Any = None) -> TDAConfig:
+    """The ``tda:`` section a run saved (``file``: its ``tda.yaml``, or the already parsed ``data`` of
+    ``file``), for queries: its selection section is not checked (queries never read the selection
+    target, which may be gone since). Any damage is a :class:`ConfigError` naming ``file``."""
+    try:
+        if data is None:
+            raw = yaml.safe_load(file.read_text())
+            if not isinstance(raw, dict) or not isinstance(raw.get("tda"), dict):
+                raise ConfigError(f"expected a mapping with a tda: section, got {type(raw).__name__}")
+            data = raw["tda"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"tda: expected a mapping, got {type(data).__name__}")
+        return TDAConfig.from_dict(apply_overrides(data, ["selection.enabled=false"]))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: not valid YAML ({_one_line(e)})") from None
+    except ConfigError as e:
+        raise ConfigError(f"{file}: {e}") from None
+
+
+_UNSHARDED = re.compile(r"^step(\d+)-unsharded$")
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())[:500]
 
 
 class _Prefixed(torch.nn.Module):

@@ -228,10 +228,10 @@ class Influence:
                  route: str = "auto", query_rank: int = 0):
         if hessian not in HESSIANS:
             raise ValueError(f"influence: hessian must be 'raw', 'lorif', 'ekfac' or 'joint', got {hessian!r}")
-        if damping is not None and not damping > 0:
-            raise ValueError(f"influence: damping must be > 0, got {damping!r}")
-        if not damping_ratio > 0:
-            raise ValueError(f"influence: damping_ratio must be > 0, got {damping_ratio!r}")
+        if damping is not None and not 0 < damping < float("inf"):
+            raise ValueError(f"influence: damping must be finite and > 0, got {damping!r}")
+        if not 0 < damping_ratio < float("inf"):
+            raise ValueError(f"influence: damping_ratio must be finite and > 0, got {damping_ratio!r}")
         if rank is not None and hessian not in ("lorif", "joint"):
             raise ValueError(f"influence: rank is the rank of hessian='lorif' or 'joint', not of hessian={hessian!r}")
         if rank is not None and rank < 1:

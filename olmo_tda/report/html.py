@@ -10,7 +10,7 @@ import html
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["plot_training", "plot_selection", "write_attribution_report", "write_run_report"]
+__all__ = ["plot_training", "plot_selection", "read_metrics", "write_attribution_report", "write_run_report"]
 
 
 def plot_training(path: Path, steps: Sequence[int], losses: Sequence[float],
@@ -68,38 +68,65 @@ def plot_selection(path: Path, rounds: Sequence[dict[str, Any]]) -> Path:
     return path
 
 
-def write_run_report(run_dir: Path, path: Path | None = None) -> Path:
-    """``<run>/tda/report.html`` (or ``path``): the run's training curve from ``tda/metrics.jsonl``
-    and, when the run selected data online, its selection rounds. Plots sit beside the HTML."""
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``tda/metrics.jsonl``, one per step (a step written twice, by a run
+    resumed before its resume cut the file back, keeps its last row), in step order. A torn last
+    line (a crash mid-write) is skipped; any other line that is not a JSON object is an error
+    naming ``path:line``."""
     import json
 
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    by_step: dict[int, dict[str, Any]] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):
+                break
+            raise ValueError(f"{path}:{n}: corrupt line (not JSON)") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{n}: expected a JSON object with an integer 'step'")
+        by_step[row["step"]] = row
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def write_run_report(run_dir: Path, path: Path | None = None) -> Path:
+    """``<run>/tda/report.html`` (or ``path``): the run's training curve from ``tda/metrics.jsonl``
+    and, when the run selected data online, its selection rounds. Plots sit beside the HTML.
+    ``run_dir`` may be the demo's output folder (its run is in ``run/``)."""
+    from ..training.selection import SelectionLog
+
     run_dir = Path(run_dir)
+    if not (run_dir / "tda").is_dir() and (run_dir / "run" / "tda").is_dir():
+        run_dir = run_dir / "run"                        # the demo's output folder
     tda = run_dir / "tda"
+    metrics_file = tda / "metrics.jsonl"
+    rounds_file = tda / "selection" / "rounds.jsonl"
+    if not metrics_file.is_file() and not rounds_file.is_file():
+        raise FileNotFoundError(f"{run_dir}: no tda/metrics.jsonl or tda/selection/rounds.jsonl to report on")
+    rows = [r for r in read_metrics(metrics_file) if "train/CrossEntropyLoss" in r] if metrics_file.is_file() else []
+    rounds = SelectionLog(rounds_file.parent, writer=False).rounds()
+    if not rows and not rounds:
+        raise FileNotFoundError(f"{run_dir}: its tda/metrics.jsonl and tda/selection/rounds.jsonl hold no step "
+                                "yet to report on")
     path = Path(path) if path else tda / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     images, summary = [], {"run": str(run_dir)}
-    metrics_file = tda / "metrics.jsonl"
-    if metrics_file.is_file():
-        rows = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
-        rows = [r for r in rows if "train/CrossEntropyLoss" in r]
-        if rows:
-            images.append(plot_training(path.parent / "training.png", [r["step"] for r in rows],
-                                        [r["train/CrossEntropyLoss"] for r in rows], title=run_dir.name))
-            summary["steps"] = rows[-1]["step"]
-            summary["final train loss"] = f"{rows[-1]['train/CrossEntropyLoss']:.4f}"
-    rounds_file = tda / "selection" / "rounds.jsonl"
-    if rounds_file.is_file():
-        rounds = [json.loads(x) for x in rounds_file.read_text().splitlines() if x.strip()]
-        if rounds:
-            images.append(plot_selection(path.parent / "selection.png", rounds))
-            summary["selection rounds"] = len(rounds)
-            summary["selection policy / mode"] = f"{rounds[-1].get('policy')} / {rounds[-1].get('mode')}"
-            summary["selection seconds (total)"] = f"{sum(r.get('seconds', 0.0) for r in rounds):.1f}"
-            summary["examples rescored"] = sum(r.get("examples_rescored", 0) for r in rounds)
-            if any("examples_measured" in r for r in rounds):
-                summary["examples measured (forward + backward)"] = sum(r.get("examples_measured", 0) for r in rounds)
-    if len(summary) == 1:
-        raise FileNotFoundError(f"{run_dir}: no tda/metrics.jsonl or tda/selection/rounds.jsonl to report on")
+    if rows:
+        images.append(plot_training(path.parent / "training.png", [r["step"] for r in rows],
+                                    [r["train/CrossEntropyLoss"] for r in rows], title=run_dir.name))
+        summary["steps"] = rows[-1]["step"]
+        summary["final train loss"] = f"{rows[-1]['train/CrossEntropyLoss']:.4f}"
+    if rounds:
+        images.append(plot_selection(path.parent / "selection.png", rounds))
+        summary["selection rounds"] = len(rounds)
+        summary["selection policy / mode"] = f"{rounds[-1].get('policy')} / {rounds[-1].get('mode')}"
+        summary["selection seconds (total)"] = f"{sum(r.get('seconds', 0.0) for r in rounds):.1f}"
+        summary["examples rescored"] = sum(r.get("examples_rescored", 0) for r in rounds)
+        if any("examples_measured" in r for r in rounds):
+            summary["examples measured (forward + backward)"] = sum(r.get("examples_measured", 0) for r in rounds)
     return write_attribution_report(path, title=f"olmo_tda run: {run_dir.name}", summary=summary, queries=[],
                                     images=images)
 

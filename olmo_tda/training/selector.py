@@ -55,43 +55,79 @@ Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 """``forward(model, input_ids [B, T]) -> logits [B, T, V]``."""
 
 
-def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int]], *, num: int,
-                eos_token_id: int, memmap_dtype: np.dtype = np.uint16) -> torch.Tensor:
-    """``[n <= num, seq_len]`` int64 target rows from ``path``:
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSONL_SUFFIXES = (".jsonl", ".json")
+TOKEN_SUFFIXES = (".npy", ".bin", ".dat", ".memmap")
 
-    - ``.txt``: one example per line; ``.jsonl``: a ``text`` field per line. Texts are tokenized,
-      joined with EOS and cut into ``seq_len`` rows (the pretraining layout);
-    - ``.npy`` with a header: a 2-D array of ids, rows cut to ``seq_len``;
-    - anything else: OLMo's raw memmap of ``memmap_dtype`` ids, cut into ``seq_len`` rows.
+
+def target_kind(path: str | Path) -> str:
+    """``"text"``, ``"jsonl"`` or ``"tokens"``: how :func:`load_target` reads ``path``, by its suffix
+    (any case). Another suffix is refused: read as token ids, a text would pass as nonsense ids."""
+    suffix = Path(path).suffix.lower()
+    for kind, suffixes in (("text", TEXT_SUFFIXES), ("jsonl", JSONL_SUFFIXES), ("tokens", TOKEN_SUFFIXES)):
+        if suffix in suffixes:
+            return kind
+    raise ValueError(f"selection target {path}: unknown file type {suffix or '(no suffix)'!r}; use "
+                     f"{'/'.join(TEXT_SUFFIXES)} (one text per line), {'/'.join(JSONL_SUFFIXES)} (a JSON object "
+                     f"with a 'text' field per line) or {'/'.join(TOKEN_SUFFIXES)} (token ids)")
+
+
+def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int]], *, num: int,
+                eos_token_id: int, memmap_dtype: np.dtype = np.uint16, vocab_size: int | None = None
+                ) -> torch.Tensor:
+    """``[n <= num, seq_len]`` int64 target rows from ``path``, by its suffix (:func:`target_kind`):
+
+    - text (``.txt``, ``.text``, ``.md``): one example per line; JSONL (``.jsonl``, ``.json``): a
+      ``text`` field per line. Texts are tokenized, joined with EOS and cut into ``seq_len`` rows
+      (the pretraining layout);
+    - token ids (``.npy``, ``.bin``, ``.dat``, ``.memmap``): a ``.npy`` with a header holds a 2-D array
+      of ids, rows cut to ``seq_len``; without one, OLMo's raw memmap of ``memmap_dtype`` ids, cut
+      into ``seq_len`` rows. With ``vocab_size``, an id outside ``[0, vocab_size)`` is refused.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"selection target {path}: no such file")
-    if path.suffix in (".txt", ".jsonl"):
+    kind = target_kind(path)
+    if kind != "tokens":
         stream: list[int] = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"selection target {path}: not UTF-8 text ({e})") from None
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            if path.suffix == ".jsonl":
+            if kind == "jsonl":
                 try:
                     line = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise ValueError(f"selection target {path}:{n}: expected a JSON object with a 'text' field") from None
+                if not isinstance(line, str):
+                    raise ValueError(f"selection target {path}:{n}: 'text' is {type(line).__name__}, not a string")
             stream += list(encode(line)) + [eos_token_id]
             if len(stream) >= num * seq_len:
                 break
         rows = np.asarray(stream[:len(stream) // seq_len * seq_len], dtype=np.int64).reshape(-1, seq_len)
     elif _has_npy_header(path):         # a real .npy (OLMo's memmaps have no header)
         arr = np.load(path, allow_pickle=False)
-        if arr.ndim != 2:
-            raise ValueError(f"selection target {path}: expected a 2-D array of token ids, got shape {arr.shape}")
+        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"selection target {path}: expected a 2-D array of integer token ids, got "
+                             f"{arr.dtype} of shape {arr.shape}")
         rows = arr[:, :seq_len]
     else:
-        flat = np.memmap(path, dtype=memmap_dtype, mode="r")
+        itemsize = np.dtype(memmap_dtype).itemsize
+        if path.stat().st_size % itemsize:
+            raise ValueError(f"selection target {path}: {path.stat().st_size} bytes is not a whole number of "
+                             f"{np.dtype(memmap_dtype).name} token ids (is it a token file?)")
+        flat = np.memmap(path, dtype=memmap_dtype, mode="r") if path.stat().st_size else np.zeros(0, memmap_dtype)
         rows = np.asarray(flat[:len(flat) // seq_len * seq_len]).reshape(-1, seq_len)
     if len(rows) == 0:
         raise ValueError(f"selection target {path}: fewer than {seq_len} tokens, not one full row")
-    return torch.from_numpy(np.asarray(rows[:num], dtype=np.int64))
+    rows = np.asarray(rows[:num], dtype=np.int64)
+    if vocab_size is not None and (rows.min() < 0 or rows.max() >= vocab_size):
+        raise ValueError(f"selection target {path}: token ids span [{rows.min()}, {rows.max()}], outside the model's "
+                         f"vocabulary [0, {vocab_size}) (another tokenizer's ids, or not a token file?)")
+    return torch.from_numpy(rows)
 
 
 def _has_npy_header(path: Path) -> bool:
