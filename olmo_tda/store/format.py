@@ -24,7 +24,9 @@ HDF5 names never contain module names (they may contain ``/`` or ``.``): layer `
 ``grads/L{i:04d}`` and its name lives only in ``store.json``.
 
 Crash safety rests on one rule: every file appears under its final name only complete and fsynced
-(write ``*.tmp`` → fsync → ``os.replace`` → fsync the directory). Anything named ``*.tmp`` is garbage.
+(write ``*.tmp`` → fsync → ``os.replace`` → fsync the directory; ``store.json``, which every rank
+may race to create, is published with ``os.link`` instead, so the first rank's stays). Anything
+named ``*.tmp`` is garbage.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "decode_grads",
     "finite_words",
     "write_json_atomic",
+    "publish_json_once",
     "fsync_dir",
     "shard_name",
     "parse_shard_name",
@@ -151,16 +154,55 @@ def write_json_atomic(path: Path, data: dict[str, Any], *, tmp_tag: str = "") ->
     """Write JSON to ``path`` via temp + fsync + rename + directory fsync; never a partial file."""
     tmp = path.with_name(f"{path.name}{tmp_tag}{TMP_SUFFIX}")
     try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=False, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _write_json_file(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)
         raise
     fsync_dir(path.parent)
+
+
+# errnos of link(2) on a filesystem without hard links (FAT, some FUSE mounts)
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+def publish_json_once(path: Path, data: dict[str, Any], *, tmp_tag: str = "") -> bool:
+    """Create ``path`` holding ``data`` unless it exists; return whether this call created it.
+
+    For a file that several processes may race to create (``store.json``, by every rank of a run):
+    the first one wins and the others leave it as it is, to read and check what won
+    (:func:`write_json_atomic`'s ``os.replace`` would let the last one win, each believing it had).
+    The temp file is complete and fsynced before ``os.link`` gives it the final name, which fails
+    if that name is taken, so a reader never sees a partial file. On a filesystem without hard
+    links this falls back to exists-then-rename (racy, as that is all such a filesystem offers).
+    Raises ``OSError`` with the temp file removed.
+    """
+    tmp = path.with_name(f"{path.name}{tmp_tag}{TMP_SUFFIX}")
+    try:
+        _write_json_file(tmp, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
+            if path.exists():
+                return False
+            os.replace(tmp, path)
+    finally:
+        _remove_quietly(tmp)
+    fsync_dir(path.parent)
+    return True
+
+
+def _write_json_file(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` and fsync it (no rename: the callers choose how to publish)."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=False, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _remove_quietly(path: Path) -> None:

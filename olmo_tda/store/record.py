@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +88,8 @@ class GradientRecord:
     step: int
     """Optimizer step at which these gradients were used (the step being taken)."""
     lr: float
-    """Learning rate of that step (first parameter group)."""
+    """Learning rate of that step (first parameter group): finite and >= 0 (0 for a post-hoc capture
+    that took no step). TracIn weights each row by it, so a NaN here would make every score NaN."""
     loss_scale: float | np.ndarray
     """The divisor the loop applied to the summed token loss (undone in ``grads``); kept for TracIn.
     One number for the whole record, or float64 ``[N]`` per row when micro-batches were normalized
@@ -104,6 +106,14 @@ class GradientRecord:
         if not (np.isfinite(scale).all() and (scale > 0).all()):
             raise ValueError(f"GradientRecord: loss_scale must be positive and finite, got {self.loss_scale!r}")
         self.loss_scale = float(scale) if scale.ndim == 0 else scale
+        try:
+            lr = float(self.lr)
+        except (TypeError, ValueError, RuntimeError):   # not one number (RuntimeError: a tensor of many)
+            lr = math.nan
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"GradientRecord: lr of step {self.step} must be a finite number >= 0, got "
+                             f"{self.lr!r}; pass the learning rate the optimizer used at that step")
+        self.lr = lr
         for name, g in self.grads.items():
             if len(g.shape) != 3 or g.shape[0] != n:
                 raise ValueError(f"GradientRecord: grads[{name!r}] has shape {tuple(g.shape)}, "

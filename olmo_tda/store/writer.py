@@ -5,7 +5,9 @@ when the writer falls behind, ``append`` blocks instead of memory growing). The 
 encodes each record in the store dtype straight into the window's buffers (moving it off the GPU
 first), drops non-finite and duplicate rows, and once the window holds ``flush_every`` distinct steps
 (or ``flush_mb`` of rows, whichever comes first: one step may span shards) writes it as one shard
-from those buffers (see :mod:`.format`).
+from those buffers (see :mod:`.format`). Dropped non-finite rows are warned about
+(:class:`NonFiniteGradientWarning`) when their window is written, shard or not: a step whose every
+row was dropped counts towards ``flush_every`` too.
 
 Failures in the thread are raised in the caller at its next ``append``/``flush``/``close`` as
 :class:`StoreWriteError`. A failed shard write removes its temp file and keeps the window in memory,
@@ -20,6 +22,7 @@ written) + 8 bytes per id stored at the step being appended.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -47,7 +50,8 @@ from .format import (
     open_h5,
     torch_dtype,
     prepare_shard,
-    write_json_atomic,
+    publish_json_once,
+    read_shard_info,
     words_as_torch,
     write_shard,
 )
@@ -125,7 +129,8 @@ class StoreWriter:
         """Create the store at ``path``, or reopen it for appending if ``store.json`` exists.
 
         Raises :class:`StoreError` if the location cannot be created or written,
-        :class:`StoreMismatchError` if an existing store was written with other settings.
+        :class:`StoreMismatchError` if an existing store was written with other settings (also when
+        ranks create it at once with different settings: the first rank's ``store.json`` stays).
         """
         config.validate()
         if rank < 0:
@@ -138,8 +143,14 @@ class StoreWriter:
             if any((root / SHARD_DIR).glob("*.h5")):
                 raise StoreError(f"{root} has shards but no {STORE_JSON}; refusing to create a store over "
                                  "them. Restore store.json or choose an empty store.path")
-            # ranks may race here; each write is atomic and all ranks then check what won
-            write_json_atomic(store_json, requested, tmp_tag=f".{os.getpid()}-r{rank}")
+            # ranks may race here: the first to publish wins, and every rank (a loser too) then checks
+            # what won as a reopen does, so ranks started with different settings are refused
+            try:
+                publish_json_once(store_json, requested, tmp_tag=f".{os.getpid()}-r{rank}")
+            except OSError as e:
+                raise StoreError(f"cannot create a gradient store at {root}: writing {store_json} failed: "
+                                 f"{describe_os_error(e)}. Nothing was created; fix that, or set store.path "
+                                 "to a writable filesystem with free space") from e
         stored = load_store_json(root)
         check_meta_compatible(stored, requested, str(root))
         lock = RankLock.acquire_for_writing(root, rank)
@@ -206,7 +217,11 @@ class StoreWriter:
         """Drop this rank's rows with step > ``step`` (buffered and on disk); return how many.
 
         For resuming from an older checkpoint. Affected shards are rewritten atomically; if the
-        process dies part-way the store stays consistent and calling this again completes it.
+        process dies part-way the store stays consistent and calling this again completes it. If
+        it raises :class:`StoreWriteError` (a full disk), the buffered rows are untouched and the
+        store stays consistent: call it again (after freeing space) before appending. It returns
+        the rows it dropped itself (rows a failed call had already dropped from shard files are
+        counted in ``stats["rows_truncated"]`` only).
         """
         self._check_open()
         dropped = self._command("truncate", int(step))
@@ -299,7 +314,7 @@ class StoreWriter:
                 except Exception as e:  # noqa: BLE001 - surfaced in the caller thread
                     self._fail(e, f"ingesting the record of step {item.step}", retryable=False)
                     continue
-                if len(self._window_keys) >= self._config.flush_every \
+                if self._window_steps() >= self._config.flush_every \
                         or self._window.nbytes >= self._config.flush_mb * 2 ** 20:
                     try:
                         self._write_window()
@@ -316,7 +331,9 @@ class StoreWriter:
                 with self._mutex:
                     if self._error_retryable:  # superseded by the error this command reports
                         self._error = None
-                future.set_exception(self._wrap(e, f"{kind} failed"))
+                what = (f"truncate_after({arg}) failed (the store is consistent; call it again to finish "
+                        "the truncation)") if kind == "truncate" else f"{kind} failed"
+                future.set_exception(self._wrap(e, what))
                 continue
             future.set_result(result)
             if kind == "stop":
@@ -416,6 +433,13 @@ class StoreWriter:
                                                              *self._window_keys.get(step, [])]))
         return self._step_keys
 
+    def _window_steps(self) -> int:
+        """Steps in the window: those with rows buffered and those whose every row was dropped as
+        non-finite (so a diverged run is written, i.e. warned about, every ``flush_every`` steps)."""
+        if not self._window_nonfinite:
+            return len(self._window_keys)
+        return len(self._window_keys.keys() | {s for s, _ in self._window_nonfinite})
+
     def _write_window(self) -> ShardInfo | None:
         info = None
         if self._window.rows:
@@ -430,7 +454,8 @@ class StoreWriter:
             self._window.clear()
             self._window_keys = {}
             self._manifest_dirty = True
-            self._warn_nonfinite(info)
+        # also when no shard was written: a window whose every row was NaN/inf is worth a warning most
+        self._warn_nonfinite(info)
         if self._manifest_dirty:
             write_manifest(self.path, self._state)
             self._manifest_dirty = False
@@ -439,7 +464,8 @@ class StoreWriter:
                 self._error = None  # the window that failed before is durable now
         return info
 
-    def _warn_nonfinite(self, info: ShardInfo) -> None:
+    def _warn_nonfinite(self, info: ShardInfo | None) -> None:
+        """Warn of the window's rows dropped as non-finite (``info``: the shard just written, if any)."""
         if not self._window_nonfinite:
             return
         steps = sorted({s for s, _ in self._window_nonfinite})
@@ -448,52 +474,92 @@ class StoreWriter:
         shown = ids[:16].tolist()
         hint = " (values beyond ±65504 overflow float16; store.dtype=bfloat16 avoids that)" \
             if self.dtype is StoreDType.FLOAT16 else ""
+        where = f"before {info.file}" if info is not None else "(no rows of this window were left to store)"
         warnings.warn(f"gradient store {self.path}: skipped {len(ids)} rows with NaN/inf gradients at "
                       f"steps {steps[0]}..{steps[-1]} (ids {shown}{' ...' if len(ids) > 16 else ''}) "
-                      f"before {info.file}{hint}", NonFiniteGradientWarning, stacklevel=2)
+                      f"{where}{hint}", NonFiniteGradientWarning, stacklevel=2)
 
     def _truncate(self, step: int) -> int:
-        dropped = self._window.drop_steps_after(step)
-        self._window_keys = {s: v for s, v in self._window_keys.items() if s <= step}
-        self._step_keys = None
-        self._window_nonfinite = [(s, i) for s, i in self._window_nonfinite if s <= step]
+        """Drop the rows of steps after ``step`` (window and this rank's shards); return how many.
 
-        shards = self._state.shards
-        gone = [info for info in shards.values() if info.step_min > step]
-        partial = [info for info in shards.values() if info.step_min <= step < info.step_max]
-        prepared = []
+        Memory changes only once the files have: the truncated index is built on a copy, then the
+        partial shards are rewritten under temp names, the manifest written, the rewritten shards
+        renamed into place and the dropped ones removed. A failure before the manifest changes
+        nothing; one after it (the files half changed) re-indexes the affected shards from their
+        files, so a later manifest never lists a missing file and duplicate checks see what is
+        stored. Either way calling this again does what is left. A crash in between leaves files
+        that disagree with the manifest; files win at the next open (the truncation is then partly
+        or not applied) and calling this again completes it.
+        """
+        state = self._state
+        gone = [info for info in state.shards.values() if info.step_min > step]
+        partial = [info for info in state.shards.values() if info.step_min <= step < info.step_max]
+        prepared: list[tuple[Path, ShardInfo]] = []
+        removed: list[ShardInfo] = []
+        manifest_written = False
         try:
             for info in partial:
                 chunk = _read_rows_up_to(self.path / info.file, step, len(self.layers))
-                tmp, new = prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
-                                         self.dtype, self._config.compression)
-                prepared.append((tmp, new, info.num_rows - new.num_rows))
-        except BaseException:
-            for tmp, _, _ in prepared:
-                tmp.unlink(missing_ok=True)
-            raise
-        # Manifest first, files second: a crash in between leaves files that disagree with the
-        # manifest, and files win at the next open (the truncation is then simply not applied).
-        with self._mutex:
+                prepared.append(prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
+                                              self.dtype, self._config.compression))
+            truncated = RankState(rank=self.rank, shards=dict(state.shards), counters=dict(state.counters),
+                                  next_seq=state.next_seq)
             for info in gone:
-                del shards[info.seq]
-                dropped += info.num_rows
-            for _, new, n_dropped in prepared:
-                shards[new.seq] = new
-                dropped += n_dropped
-            self._state.counters["rows_truncated"] += dropped
-        write_manifest(self.path, self._state)
-        for tmp, new, _ in prepared:
-            commit_shard(self.path, tmp, new)
-        for info in gone:
-            os.remove(self.path / info.file)
-        if gone:
-            fsync_dir(self.path / SHARD_DIR)
-        self._index = KeyIndex(self.path, [*shards.values(), *self._other_shards])
+                del truncated.shards[info.seq]
+            for _, new in prepared:
+                truncated.shards[new.seq] = new
+            dropped = (self._window.rows_after(step) + sum(info.num_rows for info in gone)
+                       + sum(info.num_rows for info in partial) - sum(new.num_rows for _, new in prepared))
+            truncated.counters["rows_truncated"] += dropped
+            write_manifest(self.path, truncated)
+            manifest_written = True
+            for tmp, new in prepared:
+                commit_shard(self.path, tmp, new)
+            for info in gone:
+                (self.path / info.file).unlink(missing_ok=True)  # missing: removed by a failed earlier try
+                removed.append(info)
+            if gone:
+                fsync_dir(self.path / SHARD_DIR)
+        except BaseException:
+            for tmp, _ in prepared:  # committed ones are gone already; commit_shard removes a failed one
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+            if manifest_written:
+                self._index_files_as_they_are(removed, partial)
+            raise
+        self._window.drop_steps_after(step)
+        self._window_keys = {s: v for s, v in self._window_keys.items() if s <= step}
+        self._window_nonfinite = [(s, i) for s, i in self._window_nonfinite if s <= step]
+        with self._mutex:
+            self._state = truncated
+        self._rebuild_index()
         if dropped:
             logger.info("gradient store %s: rank %d truncated after step %d: %d rows dropped",
                         self.path, self.rank, step, dropped)
         return dropped
+
+    def _index_files_as_they_are(self, removed: list[ShardInfo], rewritten: list[ShardInfo]) -> None:
+        """After a truncation failed part-way through its file changes: drop the shards it removed
+        from the index and re-read the ones it may have rewritten from their files (the rows gone
+        from both are counted as truncated), then look keys up in the files as they are now."""
+        shapes = [stored_shape(layer) for layer in self.meta["layers"]]
+        fresh = {}
+        for info in rewritten:
+            with contextlib.suppress(StoreError):  # unreadable now: the next open re-reads it anyway
+                fresh[info.seq] = read_shard_info(self.path, info.file, shapes, self.dtype)
+        with self._mutex:
+            for info in removed:
+                del self._state.shards[info.seq]
+                self._state.counters["rows_truncated"] += info.num_rows
+            for seq, info in fresh.items():
+                self._state.counters["rows_truncated"] += self._state.shards[seq].num_rows - info.num_rows
+                self._state.shards[seq] = info
+        self._manifest_dirty = True  # the manifest written describes the truncation, not the files
+        self._rebuild_index()
+
+    def _rebuild_index(self) -> None:
+        self._index = KeyIndex(self.path, [*self._state.shards.values(), *self._other_shards])
+        self._step_keys = None
 
 
 class _Segment:
@@ -575,6 +641,10 @@ class _Window:
         return [{"ids": seg.ids[:seg.used], "steps": seg.steps[:seg.used], "lr": seg.lr[:seg.used],
                  "loss_scale": seg.loss_scale[:seg.used], "grads": [g[:seg.used] for g in seg.grads]}
                 for seg in self.segments if seg.used]
+
+    def rows_after(self, step: int) -> int:
+        """How many rows are of steps after ``step``."""
+        return sum(int((seg.steps[:seg.used] > step).sum()) for seg in self.segments)
 
     def drop_steps_after(self, step: int) -> int:
         """Remove the rows of steps after ``step``; return how many."""

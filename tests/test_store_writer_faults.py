@@ -1,0 +1,251 @@
+"""The store's write side under faults: a truncation that fails part-way, windows of only NaN rows,
+ranks racing to create a store, a store.json that cannot be written, and records with a bad lr.
+
+Failures are injected where the disk would fail (a function raising ``OSError`` once, or a real
+``RLIMIT_FSIZE``); outcomes are checked by reading the store back with ``GradientStore.open``
+against the workers' deterministic rows.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import resource
+import signal
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import _store_kill_worker as worker
+from olmo_tda.config import StoreConfig
+from olmo_tda.store import (
+    GradientRecord,
+    GradientStore,
+    NonFiniteGradientWarning,
+    StoreError,
+    StoreMismatchError,
+    StoreWriteError,
+)
+from olmo_tda.store import writer as writer_module
+
+ROWS = worker.ROWS_PER_STEP
+
+
+def tmp_files(path):
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*.tmp"))
+
+
+def keys_of(store):
+    block = store.read_all()
+    return list(zip(block.ids.tolist(), block.steps.tolist()))
+
+
+def fail_once(real, exc, when=lambda *args: True, after=0):
+    """``real`` that raises ``exc`` on its ``after + 1``-th call matching ``when``."""
+    seen = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        if when(*args):
+            seen["n"] += 1
+            if seen["n"] == after + 1:
+                raise exc
+        return real(*args, **kwargs)
+    return wrapper
+
+
+def write_steps(path, steps, flush_every=2):
+    w = GradientStore.create(path, worker.META, StoreConfig(flush_every=flush_every))
+    for step in steps:
+        w.append(worker.make_record(step))
+    w.flush()
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# truncate_after that fails part-way
+
+
+def test_truncate_failing_at_the_manifest_changes_nothing_and_its_retry_drops_the_rows(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    w = write_steps(path, range(6))      # shards: steps 0-1, 2-3 (partial below), 4-5 (dropped)
+    monkeypatch.setattr(writer_module, "write_manifest",
+                        fail_once(writer_module.write_manifest, OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(StoreWriteError, match=r"truncate.*failed.*disk is full") as info:
+        w.truncate_after(2)
+    assert str(path) in str(info.value)
+    assert tmp_files(path) == []                          # the rewritten partial shard is not left behind
+    assert w.stats["rows_truncated"] == 0
+    assert sorted({s for _, s in keys_of(GradientStore.open(path))}) == list(range(6))   # nothing dropped yet
+
+    assert w.truncate_after(2) == 3 * ROWS                # the retry redoes it all: steps 3, 4, 5
+    store = GradientStore.open(path)
+    assert sorted(set(store.steps.tolist())) == [0, 1, 2] and store.num_rows == 3 * ROWS
+    assert sorted(p.name for p in (path / "shards").iterdir()) == ["r00000-00000000.h5", "r00000-00000001.h5"]
+    # the resumed run replays steps 3-5: stored once, none mistaken for a duplicate
+    for step in range(3, 6):
+        w.append(worker.make_record(step))
+    w.close()
+    assert w.stats["rows_skipped_duplicate"] == 0 and w.stats["rows_truncated"] == 3 * ROWS
+    store = GradientStore.open(path)
+    keys = keys_of(store)
+    assert len(keys) == len(set(keys)) == 6 * ROWS
+    assert sorted(set(store.steps.tolist())) == list(range(6)) and tmp_files(path) == []
+
+
+def test_truncate_failing_after_the_manifest_leaves_a_readable_store_and_its_retry_converges(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    w = write_steps(path, range(8))      # shards: 0-1, 2-3 (partial), 4-5 and 6-7 (dropped)
+    is_shard = lambda p, *rest: str(p).endswith(".h5")                       # noqa: E731
+    eio = OSError(errno.EIO, "Input/output error")
+    unlink = fail_once(os.unlink, eio, when=is_shard, after=1)   # the 2nd dropped shard cannot be removed
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "remove", unlink)
+    with pytest.raises(StoreWriteError, match=r"truncate.*failed.*Input/output error"):
+        w.truncate_after(2)
+    monkeypatch.undo()
+    assert tmp_files(path) == []
+    # the files are half truncated; a manifest written now (a flush) must still describe them
+    w.flush()
+    store = GradientStore.open(path)
+    assert sorted(set(store.steps.tolist())) == [0, 1, 2, 6, 7]
+
+    assert w.truncate_after(2) == 2 * ROWS                # what was left: shard 6-7
+    assert w.stats["rows_truncated"] == 5 * ROWS          # steps 3-7, once each
+    for step in range(3, 8):                              # resume: replayed steps are new rows again
+        w.append(worker.make_record(step))
+    w.close()
+    assert w.stats["rows_skipped_duplicate"] == 0
+    store = GradientStore.open(path)
+    keys = keys_of(store)
+    assert len(keys) == len(set(keys)) == 8 * ROWS and sorted(set(store.steps.tolist())) == list(range(8))
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite rows
+
+
+def test_windows_of_only_nonfinite_rows_are_warned_about_while_the_run_goes_on(tmp_path):
+    path = tmp_path / "s"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w = GradientStore.create(path, worker.META, StoreConfig(flush_every=2))
+        w.append(worker.make_record(0))
+        w.append(worker.make_record(1))
+        for step in range(2, 6):          # the run diverged: every row NaN
+            record = worker.make_record(step)
+            for g in record.grads.values():
+                g.fill_(float("nan"))
+            w.append(record)
+        deadline = time.monotonic() + 5   # two windows of 2 steps each: warned without a flush
+        while sum(issubclass(c.category, NonFiniteGradientWarning) for c in caught) < 2 \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen_before_close = [str(c.message) for c in caught if issubclass(c.category, NonFiniteGradientWarning)]
+        w.close()
+    assert len(seen_before_close) == 2
+    assert "steps 2..3" in seen_before_close[0] and "steps 4..5" in seen_before_close[1]
+    assert sum(int(re.search(r"skipped (\d+) rows", m).group(1)) for m in seen_before_close) == 4 * ROWS
+    assert str(worker.ids_at(2).tolist()[:ROWS]).strip("[]") in seen_before_close[0]
+    store = GradientStore.open(path)
+    assert sorted(set(store.steps.tolist())) == [0, 1] and store.num_rows == 2 * ROWS
+    assert store.stats["rows_skipped_nonfinite"] == 4 * ROWS
+
+
+# ---------------------------------------------------------------------------------------------
+# creating store.json
+
+
+def test_ranks_racing_to_create_a_store_with_different_settings_are_refused(tmp_path, monkeypatch):
+    """Both ranks find no store.json, then rank 1 publishes its own after rank 0 has checked: the
+    first one must stay and rank 1 must be refused (a ``Path`` whose ``exists`` waits forces this)."""
+    path = tmp_path / "s"
+    both_looked = threading.Barrier(2, timeout=5)
+    rank0_done = threading.Event()
+
+    class RacingPath(type(Path())):
+        def exists(self, *args, **kwargs):
+            found = super().exists(*args, **kwargs)
+            if self.name == "store.json" and threading.current_thread().name.startswith("rank"):
+                both_looked.wait()
+                if threading.current_thread().name == "rank1":
+                    rank0_done.wait(5)
+            return found
+
+    monkeypatch.setattr(writer_module, "Path", RacingPath)
+    metas = {0: worker.META, 1: {**worker.META, "projector_hash": "other-seed"}}
+    out = {}
+
+    def create(rank):
+        try:
+            out[rank] = GradientStore.create(path, metas[rank], StoreConfig(flush_every=1), rank=rank)
+        except Exception as e:  # noqa: BLE001 - inspected below
+            out[rank] = e
+        finally:
+            if rank == 0:
+                rank0_done.set()
+
+    threads = [threading.Thread(target=create, args=(rank,), name=f"rank{rank}") for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for v in out.values():
+        if not isinstance(v, Exception):
+            v.close()
+    assert not isinstance(out[0], Exception), out[0]
+    assert isinstance(out[1], StoreMismatchError), out[1]
+    assert '"kill-test"' in str(out[1]) and '"other-seed"' in str(out[1])
+    assert GradientStore.open(path).meta["projector_hash"] == "kill-test"
+    assert [p.name for p in path.iterdir() if p.name.startswith("store.json")] == ["store.json"]
+
+
+def test_store_json_that_cannot_be_written_raises_store_error_naming_it(tmp_path):
+    """A real file-size limit (``ulimit -f``) lets the 8-byte probe through but not store.json."""
+    path = tmp_path / "s"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
+    try:
+        with pytest.raises(StoreError) as info:
+            GradientStore.create(path, worker.META, StoreConfig())
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    message = str(info.value)
+    assert str(path / "store.json") in message and "file too large" in message and "store.path" in message
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.EFBIG
+    assert sorted(p.name for p in path.iterdir()) == ["shards"]       # no store.json, no temp file
+    with GradientStore.create(path, worker.META, StoreConfig()) as w:  # with room, creating works
+        w.append(worker.make_record(0))
+    assert GradientStore.open(path).num_rows == ROWS
+
+
+# ---------------------------------------------------------------------------------------------
+# learning rate
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1e-3, "fast", torch.tensor([0.1, 0.2])])
+def test_a_record_with_a_nonfinite_or_negative_lr_is_refused_naming_step_and_value(lr):
+    good = worker.make_record(7)
+    with pytest.raises(ValueError, match=r"lr of step 7 must be a finite number >= 0, got .*"
+                                         + re.escape(repr(lr)[:5])):
+        GradientRecord(ids=good.ids, step=7, lr=lr, loss_scale=1.0, grads=good.grads)
+
+
+def test_zero_and_tensor_learning_rates_are_stored_as_numbers(tmp_path):
+    path = tmp_path / "s"
+    with GradientStore.create(path, worker.META, StoreConfig()) as w:
+        for step, lr in [(0, 0.0), (1, torch.tensor(0.5, dtype=torch.float64))]:  # post-hoc capture; a
+            good = worker.make_record(step)                                        # scheduler's tensor lr
+            w.append(GradientRecord(ids=good.ids, step=step, lr=lr, loss_scale=1.0, grads=good.grads))
+    block = GradientStore.open(path).read_all()
+    assert sorted(set(zip(block.steps.tolist(), block.lr.tolist()))) == [(0, 0.0), (1, 0.5)]
+    assert not any(math.isnan(x) for x in block.lr)
+    assert np.all(block.lr >= 0)
