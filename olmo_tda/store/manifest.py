@@ -9,8 +9,17 @@ truth**. :func:`scan_store` reconciles the two:
 - a manifest entry whose file size differs (crash during ``truncate_after``) is re-read from the file;
 - a listed shard that is missing, or any shard that cannot be read, raises :class:`StoreCorruptError`
   naming the file — or, with ``repair=True``, is moved to ``quarantine/`` and dropped from the index;
+- a manifest that is not what a writer writes (a field missing or of the wrong type) raises
+  :class:`StoreCorruptError` naming the file and the field (``repair=True`` rebuilds it from the shards);
 - leftover ``*.tmp`` files are deleted, but only for ranks whose writer is provably gone (its
   ``locks/r{rank}.lock`` flock can be taken), so opening a store never disturbs a live writer.
+
+Opening is safe while writers append or truncate. ``shards/`` is listed before the manifests are read,
+so for a rank whose writer is live (its lock cannot be taken) a shard that its manifest lists but the
+listing missed is looked up again (renamed into place after the listing); one that is not there is
+dropped if the manifest, read again, no longer lists it (``truncate_after`` updates the manifest before
+it deletes files); and a listed file that is gone by the time it is read is simply gone. A shard that
+the manifest still lists and that is not on disk is an error, live writer or not.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from typing import Any
 
 from olmo_tda.config import StoreDType
 
-from .errors import StoreCorruptError, StoreError
+from .errors import StoreCorruptError, StoreError, describe_os_error
 from .format import (
     FORMAT_NAME,
     LOCK_DIR,
@@ -40,6 +49,7 @@ from .format import (
     parse_manifest_name,
     parse_shard_name,
     read_shard_info,
+    shard_name,
     write_json_atomic,
 )
 
@@ -79,18 +89,68 @@ def read_manifest(root: Path, rank: int) -> RankState | None:
     path = manifest_path(root, rank)
     try:
         data = json.loads(path.read_text())
-        state = RankState(rank=rank, next_seq=int(data["next_seq"]))
-        state.counters.update({k: int(v) for k, v in data["counters"].items() if k in COUNTERS})
-        for entry in data["shards"]:
-            info = ShardInfo.from_json(entry)
-            state.shards[info.seq] = info
-        return state
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise StoreCorruptError(
             f"gradient store manifest {path} is unreadable ({type(e).__name__}: {e}); "
             "GradientStore.open(path, repair=True) rebuilds it from the shard files") from e
+    return _parse_manifest(data, rank, path)
+
+
+_SHARD_FIELDS = ("file", "rank", "seq", "num_rows", "step_min", "step_max", "bytes")
+
+
+def _parse_manifest(data: Any, rank: int, path: Path) -> RankState:
+    """The :class:`RankState` in a parsed manifest, every field checked to be what a writer writes."""
+    def damaged(where: str, problem: str) -> StoreCorruptError:
+        return StoreCorruptError(f"gradient store manifest {path} is damaged: {where} {problem}; "
+                                 "GradientStore.open(path, repair=True) rebuilds it from the shard files")
+
+    if not isinstance(data, dict):
+        raise damaged("the file", f"must be a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT_NAME + ".manifest":
+        raise damaged("format", f"must be {FORMAT_NAME + '.manifest'!r}, got {data.get('format', '<absent>')!r}")
+    if data.get("rank") != rank or not _is_count(data.get("rank")):
+        raise damaged("rank", f"must be {rank} (the rank in its name), got {data.get('rank', '<absent>')!r}")
+    if not _is_count(data.get("next_seq")):
+        raise damaged("next_seq", f"must be an int >= 0, got {data.get('next_seq', '<absent>')!r}")
+    state = RankState(rank=rank, next_seq=data["next_seq"])
+    counters = data.get("counters")
+    if not isinstance(counters, dict):
+        raise damaged("counters", f"must be a JSON object, got {counters if 'counters' in data else '<absent>'!r}")
+    for key in COUNTERS:
+        if key in counters:
+            if not _is_count(counters[key]):
+                raise damaged(f"counters.{key}", f"must be an int >= 0, got {counters[key]!r}")
+            state.counters[key] = counters[key]
+    shards = data.get("shards")
+    if not isinstance(shards, list):
+        raise damaged("shards", f"must be a list, got {shards if 'shards' in data else '<absent>'!r}")
+    for i, entry in enumerate(shards):
+        if not isinstance(entry, dict):
+            raise damaged(f"shards[{i}]", f"must be a JSON object, got {entry!r}")
+        for key in _SHARD_FIELDS[1:]:
+            if not _is_count(entry.get(key)):
+                raise damaged(f"shards[{i}].{key}", f"must be an int >= 0, got {entry.get(key, '<absent>')!r}")
+        if entry["rank"] != rank:
+            raise damaged(f"shards[{i}].rank", f"must be {rank} (the manifest's rank), got {entry['rank']!r}")
+        if entry.get("file") != shard_name(rank, entry["seq"]):
+            # also keeps a damaged entry from pointing outside the store
+            raise damaged(f"shards[{i}].file", f"must be {shard_name(rank, entry['seq'])!r} (from its rank "
+                          f"and seq), got {entry.get('file', '<absent>')!r}")
+        if entry["num_rows"] < 1 or entry["step_min"] > entry["step_max"]:
+            raise damaged(f"shards[{i}]", f"must have num_rows >= 1 and step_min <= step_max, got "
+                          f"num_rows={entry['num_rows']}, steps {entry['step_min']}..{entry['step_max']}")
+        if entry["seq"] in state.shards:
+            raise damaged(f"shards[{i}].seq", f"{entry['seq']} is listed twice")
+        state.shards[entry["seq"]] = ShardInfo.from_json(entry)
+    return state
+
+
+def _is_count(value: Any) -> bool:
+    """An int >= 0 as JSON holds it (not a bool, a float or a string of digits)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def write_manifest(root: Path, state: RankState) -> None:
@@ -121,8 +181,12 @@ class RankLock:
     @classmethod
     def acquire_for_writing(cls, root: Path, rank: int) -> "RankLock":
         path = root / LOCK_DIR / f"r{rank:05d}.lock"
-        path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"cannot create the writer lock {path} of rank {rank} in gradient store {root}: "
+                             f"{describe_os_error(e)}") from e
         deadline = time.monotonic() + LOCK_WAIT_S
         try:
             while True:   # another rank's scan holds this lock for milliseconds: wait that out
@@ -185,12 +249,17 @@ def _remove_debris(path: Path) -> None:
 def _quarantine(root: Path, rel: str, reason: str) -> None:
     src = root / rel
     qdir = root / QUARANTINE_DIR
-    qdir.mkdir(exist_ok=True)
     dst = qdir / src.name
-    k = 1
-    while dst.exists():
-        dst, k = qdir / f"{src.name}.{k}", k + 1
-    os.replace(src, dst)
+    try:
+        qdir.mkdir(exist_ok=True)
+        k = 1
+        while dst.exists():
+            dst, k = qdir / f"{src.name}.{k}", k + 1
+        os.replace(src, dst)
+    except OSError as e:
+        raise StoreError(f"gradient store {root}: cannot move unreadable shard {src} to {dst} "
+                         f"({reason}): {describe_os_error(e)}; move it out of {SHARD_DIR}/ by hand, or "
+                         "restore it") from e
     warnings.warn(f"gradient store {root}: moved unreadable shard {rel} to {dst} ({reason}); its rows are lost",
                   RuntimeWarning, stacklevel=3)
 
@@ -201,7 +270,12 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
     changed = False
     on_disk = dict(on_disk)
 
-    def corrupt(rel: str, exc: StoreCorruptError) -> None:
+    def unreadable(rel: str, exc: StoreCorruptError) -> None:
+        """A shard that failed validation: raise, or quarantine it under ``repair`` — unless a live
+        writer removed it meanwhile (its ``truncate_after``): then it is simply gone."""
+        if not may_modify and not (root / rel).exists():
+            logger.debug("gradient store %s: %s vanished while scanning (removed by its live writer)", root, rel)
+            return
         if not repair:
             raise exc
         if not may_modify:
@@ -211,6 +285,12 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
 
     for seq, info in sorted(state.shards.items()):
         path = root / info.file
+        if seq not in on_disk and path.exists():
+            on_disk[seq] = info.file    # renamed into place after shards/ was listed (a live writer)
+        if seq not in on_disk and not may_modify and _unlisted_now(root, state.rank, seq):
+            del state.shards[seq]       # its live writer's truncate_after removed it after we read the manifest
+            changed = True
+            continue
         if seq not in on_disk:
             exc = StoreCorruptError(
                 f"gradient store shard {path} is listed in {manifest_path(root, state.rank).name} but missing; "
@@ -232,7 +312,7 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
             try:
                 fresh = read_shard_info(root, info.file, layer_shapes, dtype)
             except StoreCorruptError as exc:
-                corrupt(info.file, exc)
+                unreadable(info.file, exc)
                 del state.shards[seq]
                 del on_disk[seq]
             else:
@@ -246,7 +326,7 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
         try:
             info = read_shard_info(root, rel, layer_shapes, dtype)
         except StoreCorruptError as exc:
-            corrupt(rel, exc)
+            unreadable(rel, exc)
             continue
         logger.info("gradient store %s: adopted shard %s missing from the manifest "
                     "(its writer stopped between rename and manifest update)", root, rel)
@@ -259,6 +339,16 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
         state.next_seq = next_seq
         changed = True
     return changed
+
+
+def _unlisted_now(root: Path, rank: int, seq: int) -> bool:
+    """Whether rank's manifest, read again now, no longer lists shard ``seq`` (a writer removes a
+    shard from its manifest before it deletes the file)."""
+    try:
+        now = read_manifest(root, rank)
+    except StoreCorruptError:
+        return False
+    return now is not None and seq not in now.shards
 
 
 def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreDType, repair: bool = False,
@@ -311,7 +401,13 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
             changed = _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes,
                                       dtype=dtype, repair=repair, may_modify=may_modify)
             if changed and may_modify and (rank == own_rank or repair):
-                write_manifest(root, state)
+                try:
+                    write_manifest(root, state)
+                except OSError as e:
+                    raise StoreError(f"gradient store {root}: cannot rewrite {manifest_path(root, rank)} "
+                                     f"after reconciling it with the shard files: {describe_os_error(e)}. "
+                                     "The manifest on disk is unchanged; the next open reconciles it "
+                                     "again") from e
             if state.shards or rank == own_rank or rank in manifests:
                 states[rank] = state
         finally:

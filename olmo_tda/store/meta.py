@@ -137,7 +137,9 @@ def check_meta_compatible(stored: dict[str, Any], requested: dict[str, Any], whe
 
 
 def load_store_json(root: Path) -> dict[str, Any]:
-    """``store.json`` parsed and checked to be ours and of a version we read."""
+    """``store.json`` parsed and checked to be ours, of a version we read, and well-formed: every key
+    the reader and writers use is present with the right type (:class:`StoreCorruptError` naming the
+    file and the field otherwise)."""
     path = root / STORE_JSON
     try:
         meta = json.loads(path.read_text())
@@ -146,9 +148,56 @@ def load_store_json(root: Path) -> dict[str, Any]:
                          "one with GradientStore.create") from None
     except (OSError, ValueError) as e:
         raise StoreCorruptError(f"gradient store metadata {path} is unreadable: {e}") from e
+    if not isinstance(meta, dict):
+        raise _damaged(path, "the file", f"must be a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT_NAME:
         raise StoreError(f"{path} is not an olmo_tda gradient store (format={meta.get('format')!r})")
-    if int(meta.get("format_version", -1)) > FORMAT_VERSION:
-        raise StoreError(f"{path} has format_version {meta.get('format_version')}, newer than this "
+    version = meta.get("format_version")
+    if not _is_int(version):
+        raise _damaged(path, "format_version", f"must be an int, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise StoreError(f"{path} has format_version {version}, newer than this "
                          f"olmo_tda reads ({FORMAT_VERSION}); upgrade olmo_tda")
+    _check_schema(meta, path)
     return meta
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _damaged(path: Path, where: str, problem: str) -> StoreCorruptError:
+    return StoreCorruptError(f"gradient store metadata {path} is damaged: {where} {problem}; restore "
+                             f"{STORE_JSON} from a copy (it is written once, when the store is created, "
+                             "and cannot be rebuilt from the shards)")
+
+
+def _check_schema(meta: dict[str, Any], path: Path) -> None:
+    """The fields :func:`build_store_meta` writes, as the reader and writers use them."""
+    for key in ("gradient_convention", "representation", "projector_hash"):
+        if not isinstance(meta.get(key), str):
+            raise _damaged(path, key, f"must be a string, got {meta.get(key, '<absent>')!r}")
+    dtypes = [d.value for d in StoreDType]
+    if meta.get("dtype") not in dtypes:
+        raise _damaged(path, "dtype", f"must be one of {dtypes}, got {meta.get('dtype', '<absent>')!r}")
+    for key, required in (("capture", True), ("extra", False)):
+        if (required or key in meta) and not isinstance(meta.get(key), dict):
+            raise _damaged(path, key, f"must be a JSON object, got {meta.get(key, '<absent>')!r}")
+    layers = meta.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise _damaged(path, "layers", f"must be a non-empty list, got {meta.get('layers', '<absent>')!r}")
+    names = set()
+    for i, layer in enumerate(layers):
+        where = f"layers[{i}]"
+        if not isinstance(layer, dict):
+            raise _damaged(path, where, f"must be a JSON object, got {layer!r}")
+        name = layer.get("name")
+        if not isinstance(name, str) or name in names:
+            raise _damaged(path, f"{where}.name", f"must be a string unique among the layers, got {name!r}")
+        names.add(name)
+        shape = layer.get("shape", "<absent>")
+        if not (isinstance(shape, list) and len(shape) == 2 and all(_is_int(d) and d > 0 for d in shape)):
+            raise _damaged(path, f"{where}.shape ({name!r})", f"must be [k_out, k_in] positive ints, got {shape!r}")
+        rank = layer.get("rank", 0)
+        if not (_is_int(rank) and rank >= 0):
+            raise _damaged(path, f"{where}.rank ({name!r})", f"must be an int >= 0 (0 = dense), got {rank!r}")

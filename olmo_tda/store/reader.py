@@ -21,7 +21,10 @@ is off for sparse id selections and where the OS has no ``posix_fadvise``.
 
 Each shard's datasets are opened once through HDF5's low-level API, and the contiguous ones (every
 uncompressed store) are read straight from the file at their byte offsets (:class:`_ShardReader`):
-h5py's per-call overhead made a small shard cost more to open and read than to score.
+h5py's per-call overhead made a small shard cost more to open and read than to score. Each dataset is
+checked when it is first opened: its rows against the index (a writer's ``truncate_after`` rewrites a
+shard under its name: :class:`StoreError`, call :meth:`GradientStore.refresh`), a gradient dataset's
+row shape and dtype against ``store.json`` (:class:`StoreCorruptError`).
 """
 
 from __future__ import annotations
@@ -42,10 +45,10 @@ import torch
 
 from olmo_tda.config import StoreConfig, StoreDType
 
-from .errors import StoreCorruptError
-from .format import ShardInfo, decode_grads, open_h5, stored_shape
+from .errors import StoreCorruptError, StoreError
+from .format import STORE_JSON, ShardInfo, decode_grads, disk_dtype, open_h5, stored_shape
 from .record import LowRank, cat_rows
-from .manifest import COUNTERS, RankState, scan_store
+from .manifest import COUNTERS, RankState, manifest_path, scan_store
 from .meta import load_store_json
 
 if TYPE_CHECKING:
@@ -212,9 +215,9 @@ class GradientStore:
         if self._key_summary is None:
             ids, steps = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
             for info in self.shards:
-                with self._open_shard(info) as f:
-                    ids.append(np.unique(f["ids"][:]))
-                    steps.append(np.unique(f["steps"][:]))
+                with self._reader(info) as shard:
+                    ids.append(np.unique(shard.read("ids")))
+                    steps.append(np.unique(shard.read("steps")))
             self._key_summary = (int(len(np.unique(np.concatenate(ids)))), np.unique(np.concatenate(steps)))
         return self._key_summary
 
@@ -254,9 +257,9 @@ class GradientStore:
                  if step_set is None or _range_hits(step_set, info.step_min, info.step_max)]
         for info, shard in self._opened(visit, [i for _, i in indices], readahead and id_set is None):
             with shard:
-                mask = np.ones(info.num_rows, dtype=bool)
-                shard_steps = shard.read("steps")
+                shard_steps = shard.read("steps")     # checked to hold the index's info.num_rows rows
                 shard_ids = shard.read("ids")
+                mask = np.ones(len(shard_steps), dtype=bool)
                 if step_set is not None:
                     mask &= np.isin(shard_steps, step_set)
                 if id_set is not None:
@@ -323,12 +326,16 @@ class GradientStore:
         ahead = None
         try:
             for j, info in enumerate(infos):
-                shard, ahead = (ahead or _ShardReader(self._open_shard(info), self.path / info.file)), None
+                shard, ahead = (ahead or self._reader(info)), None
                 if pool is not None and j == 0:
-                    pool.submit(_willneed, shard.path, shard.byte_ranges(layer_indices))
+                    try:
+                        pool.submit(_willneed, shard.path, shard.byte_ranges(layer_indices))
+                    except BaseException:
+                        shard.close()
+                        raise
                 if pool is not None and j + 1 < len(infos):
                     try:
-                        ahead = _ShardReader(self._open_shard(infos[j + 1]), self.path / infos[j + 1].file)
+                        ahead = self._reader(infos[j + 1])
                         head = ahead.head_length()
                         pool.submit(_willneed, ahead.path, [(0, head)] * bool(head) + ahead.byte_ranges(layer_indices))
                         if head and j + 2 < len(infos):
@@ -346,10 +353,18 @@ class GradientStore:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
+    def _reader(self, info: ShardInfo) -> "_ShardReader":
+        """The shard open for reading, its datasets checked against ``info`` and ``store.json``."""
+        return _ShardReader(self._open_shard(info), self.path / info.file, _Expected.of(self, info))
+
     def _open_shard(self, info: ShardInfo):
         path = self.path / info.file
         try:
             return open_h5(path)
+        except FileNotFoundError as e:
+            raise StoreError(f"gradient store shard {path} is gone since the store was opened: a writer's "
+                             "truncate_after removed it (call refresh() on the store and read again), or it "
+                             "was deleted (open the store with repair=True to drop it from the index)") from e
         except (OSError, ValueError) as e:
             raise StoreCorruptError(f"gradient store shard {path} cannot be opened ({e}); if a writer "
                                     "truncated the store meanwhile call refresh(), else open with "
@@ -364,15 +379,38 @@ MAX_BLOCK_ROWS = 4096
 blocks were no faster, and two of them are alive at once while the next is read)."""
 
 
+@dataclass(frozen=True)
+class _Expected:
+    """What the store's index (the manifest, as read at open/refresh) and ``store.json`` say a shard
+    holds; :class:`_ShardReader` checks each dataset against it when it first opens it."""
+
+    info: ShardInfo
+    manifest: Path
+    store_json: Path
+    grads: dict[str, tuple[str, tuple[int, ...]]]
+    """dataset name (``grads/L0000``) -> (layer name, on-disk row shape)."""
+    words: np.dtype
+    """numpy dtype of the stored gradient words (see :func:`~olmo_tda.store.format.disk_dtype`)."""
+
+    @staticmethod
+    def of(store: GradientStore, info: ShardInfo) -> "_Expected":
+        grads = {f"grads/L{i:04d}": (layer["name"], stored_shape(layer))
+                 for i, layer in enumerate(store.meta["layers"])}
+        return _Expected(info, manifest_path(store.path, info.rank), store.path / STORE_JSON, grads,
+                         np.dtype(disk_dtype(store.dtype)))
+
+
 class _ShardReader:
     """One open shard (an h5py file it closes). Each dataset is opened once, through HDF5's low-level
     API: a high-level lookup or read costs ~0.15 ms, and a shard of a few hundred rows took ~4 ms,
     more than scoring it. A contiguous dataset (uncompressed, the writer's default) is read straight
     from the file at its byte offset; a chunked (compressed) one, a non-native byte order, or a
-    sparse selection through HDF5."""
+    sparse selection through HDF5. With ``expected``, each dataset is checked against it when first
+    opened (without, as in tests of the reading itself, nothing is checked)."""
 
-    def __init__(self, f, path: Path):
+    def __init__(self, f, path: Path, expected: _Expected | None = None):
         self.f, self.path, self._file = f, path, None
+        self.expected = expected
         self._layouts: dict[str, tuple] = {}
 
     def __enter__(self) -> "_ShardReader":
@@ -390,30 +428,103 @@ class _ShardReader:
         """``(dataset id, shape, dtype, byte offset or None when not one contiguous range)``."""
         layout = self._layouts.get(name)
         if layout is None:
-            dsid = h5py.h5d.open(self.f.id, name.encode())
+            try:
+                dsid = h5py.h5d.open(self.f.id, name.encode())
+            except (KeyError, OSError, ValueError) as e:
+                raise self._damaged(name, f"cannot be opened ({type(e).__name__}: {e})") from e
             shape, dtype, offset = dsid.shape, dsid.dtype, dsid.get_offset()
+            if self.expected is not None:
+                self._check(name, shape, dtype)
             if offset is not None and dsid.get_storage_size() != math.prod(shape) * dtype.itemsize:
                 offset = None
             layout = self._layouts[name] = (dsid, shape, dtype, offset)
         return layout
 
+    def _check(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """``name`` holds the index's rows and, for a gradient dataset, ``store.json``'s row shape and dtype."""
+        exp = self.expected
+        layer, row_shape = exp.grads.get(name, (None, ()))
+        if not shape or shape[0] != exp.info.num_rows:
+            rows = shape[0] if shape else "no"
+            if self._size() != exp.info.bytes:
+                raise self._changed(f"dataset {name} has {rows} rows where the index says {exp.info.num_rows}")
+            raise StoreCorruptError(
+                f"gradient store shard {self.path}: dataset {name} has {rows} rows but {exp.manifest.name} "
+                f"lists the shard with {exp.info.num_rows}; the shard or the manifest is damaged. Move "
+                f"{exp.manifest} aside and open the store with GradientStore.open(path, repair=True) to "
+                "rebuild the manifest from the shard files (and quarantine the shard if it is unreadable)")
+        if layer is not None and (shape[1:] != row_shape or dtype != exp.words):
+            raise StoreCorruptError(
+                f"gradient store shard {self.path}: dataset {name} holds rows of {shape[1:]} {dtype}, but "
+                f"{exp.store_json} says layer {layer!r} is stored as {row_shape} {exp.words}; one of the two "
+                f"is damaged or was edited: restore it from a copy")
+        if layer is None and len(shape) != 1:
+            raise self._damaged(name, f"has shape {shape}, expected ({exp.info.num_rows},)")
+
+    def _size(self) -> int:
+        """Bytes of the file this reader has open (not of whatever now has its name)."""
+        try:
+            return os.fstat(self.f.id.get_vfd_handle()).st_size
+        except (OSError, ValueError, TypeError):        # not a plain POSIX file driver: by name
+            try:
+                return os.stat(self.path).st_size
+            except OSError:
+                return -1                               # gone: it changed
+
+    def _changed(self, what: str) -> StoreError:
+        return StoreError(f"gradient store shard {self.path} changed since the store was opened ({what}): "
+                          "a writer's truncate_after rewrote or removed it. Call refresh() on the store "
+                          "(or open it again) and read again")
+
+    def _damaged(self, name: str, what: str) -> StoreCorruptError:
+        # repair=True alone does not help: it quarantines only shards whose structure or last row
+        # fails (or whose size disagrees with the manifest), not damage inside a complete file
+        return StoreCorruptError(
+            f"gradient store shard {self.path}: dataset {name} {what}; the file is damaged. Restore it "
+            f"from a copy, or move it out of its directory and open the store with "
+            "GradientStore.open(path, repair=True) to drop it from the index (its rows are lost)")
+
     def read(self, name: str, rows: np.ndarray | None = None) -> np.ndarray:
         """Dataset ``name``: every row, or the sorted ``rows``."""
         dsid, shape, dtype, offset = self._layout(name)
         lo, hi = (0, shape[0]) if rows is None else (int(rows[0]), int(rows[-1]) + 1)
+        if lo < 0 or hi > shape[0]:
+            raise self._changed(f"rows {lo}..{hi - 1} of dataset {name} were asked for; it has {shape[0]}")
         if offset is None or not dtype.isnative or (rows is not None and hi - lo > 2 * len(rows)):
             dataset = h5py.Dataset(dsid)
-            return dataset[:] if rows is None else _read_rows(dataset, rows)
+            try:
+                return dataset[:] if rows is None else _read_rows(dataset, rows)
+            except OSError as e:     # e.g. a compressed chunk whose bytes were damaged in place
+                raise self._damaged(name, f"cannot be read ({e})") from e
         row_bytes = dtype.itemsize * math.prod(shape[1:])
         out = np.empty((hi - lo, *shape[1:]), dtype=dtype)
-        if self._file is None:
-            self._file = open(self.path, "rb", buffering=0)
-        self._file.seek(offset + lo * row_bytes)
-        got = self._file.readinto(memoryview(out).cast("B"))
+        try:
+            if self._file is None:
+                self._file = self._open_raw()
+            self._file.seek(offset + lo * row_bytes)
+            got = _readinto_all(self._file, memoryview(out).cast("B"))
+        except OSError as e:
+            raise self._damaged(name, f"cannot be read ({type(e).__name__}: {e})") from e
         if got != out.nbytes:
             raise StoreCorruptError(f"gradient store shard {self.path}: dataset {name} ends after {got} of its "
                                     f"{out.nbytes} bytes from row {lo} (truncated); open the store with repair=True")
         return out if rows is None or hi - lo == len(rows) else out[rows - lo]
+
+    def _open_raw(self):
+        """The shard's bytes, unbuffered: the file HDF5 has open, not a newer one under its name (a
+        writer's truncate_after replaces a shard by rename), whose offsets would differ."""
+        try:
+            raw = open(self.path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise self._changed("it is gone") from None
+        try:
+            same = os.path.sameopenfile(raw.fileno(), self.f.id.get_vfd_handle())
+        except (OSError, ValueError, TypeError):        # not a plain POSIX file driver: trust the name
+            same = True
+        if not same:
+            raw.close()
+            raise self._changed("another file has its name now")
+        return raw
 
     def byte_ranges(self, layer_indices: list[int]) -> list[tuple[int, int]]:
         """``(offset, length)`` in the file of each selected layer's rows; ``[(0, 0)]`` (the whole
@@ -430,6 +541,18 @@ class _ShardReader:
         """Bytes before the first gradient dataset: the file's metadata and its small datasets (ids,
         steps, lr, loss_scale), which the writer creates first; 0 when it is chunked."""
         return int(self._layout("grads/L0000")[3] or 0)
+
+
+def _readinto_all(file, view: memoryview) -> int:
+    """Fill ``view`` from ``file``'s position; returns the bytes read (fewer only at end of file). One
+    ``read`` returns at most 0x7ffff000 bytes on Linux, so a read of more than 2 GiB takes several."""
+    got = 0
+    while got < len(view):
+        n = file.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _willneed(path: Path, ranges: list[tuple[int, int]]) -> None:

@@ -1,0 +1,443 @@
+"""The gradient store's read/open side under faults: races with a live writer, damaged metadata,
+shards that disagree with the index or ``store.json``, damaged bytes, failing writes during a scan,
+short reads.
+
+Each race is forced deterministically: the writer acts inside the scan's manifest read (between the
+listing of ``shards/`` and the use of what was listed). Oracles: the rows written are kept by the test
+and compared exactly (float32).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from olmo_tda.config import StoreConfig
+from olmo_tda.store import GradientRecord, GradientStore, StoreCorruptError, StoreError
+from olmo_tda.store import manifest as manifest_module
+from olmo_tda.store.format import open_h5
+from olmo_tda.store.reader import _ShardReader
+
+LAYERS = [{"name": "fc", "shape": [3, 5], "projector": {"seed": 0}},
+          {"name": "fc2", "shape": [4, 2], "projector": {"seed": 0}}]
+META = {"capture": {"proj_dim": 4}, "layers": LAYERS, "projector_hash": "reader-faults"}
+
+
+def record(step, rows=2, seed=None):
+    gen = torch.Generator().manual_seed(step if seed is None else seed)
+    ids = np.arange(rows, dtype=np.int64) + 10 * step
+    grads = {layer["name"]: torch.randn(rows, *layer["shape"], generator=gen) for layer in LAYERS}
+    return GradientRecord(ids=ids, step=step, lr=0.1, loss_scale=1.0, grads=grads)
+
+
+def assert_rows(block, records):
+    """``block`` holds exactly the rows of ``records``, bit for bit."""
+    want = {(int(i), r.step): {n: g[k] for n, g in r.grads.items()} for r in records for k, i in enumerate(r.ids)}
+    got = {(int(i), int(s)): k for k, (i, s) in enumerate(zip(block.ids, block.steps))}
+    assert set(got) == set(want)
+    for key, k in got.items():
+        for name, grad in want[key].items():
+            assert torch.equal(block.grads[name][k], grad), (key, name)
+
+
+def writer(path, **config):
+    return GradientStore.create(path, META, StoreConfig(**config))
+
+
+def during_manifest_read(monkeypatch, action):
+    """Run ``action`` once, inside the scan's first manifest read (after it listed ``shards/``)."""
+    real, done = manifest_module.read_manifest, []
+
+    def read_manifest(root, rank):
+        if not done:
+            done.append(True)
+            return action(lambda: real(root, rank))
+        return real(root, rank)
+
+    monkeypatch.setattr(manifest_module, "read_manifest", read_manifest)
+
+
+# ---------------------------------------------------------------------------------------------
+# A. open / refresh racing a live writer
+
+
+@pytest.mark.parametrize("scanner", ["refresh", "open", "other rank's writer"])
+def test_a_shard_made_durable_during_the_scan_is_read_not_reported_missing(tmp_path, monkeypatch, scanner):
+    path = tmp_path / "s"
+    records = [record(0), record(1)]
+    with writer(path, flush_every=100) as w:
+        w.append(records[0])
+        w.flush()
+        store = GradientStore.open(path)
+        w.append(records[1])                      # buffered: the listing will not see its shard
+
+        def flush_then_read(read):
+            w.flush()                             # shard 1 renamed into place, then the manifest lists it
+            return read()
+
+        during_manifest_read(monkeypatch, flush_then_read)
+        if scanner == "refresh":
+            store.refresh()
+        elif scanner == "open":
+            store = GradientStore.open(path)
+        else:
+            with GradientStore.create(path, META, StoreConfig(), rank=1):
+                pass
+            monkeypatch.undo()
+            store = GradientStore.open(path)
+        assert store.num_rows == 4
+        assert_rows(store.read_all(), records)
+
+
+def test_shards_a_live_writer_truncates_away_during_the_scan_are_gone_not_errors(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    records = [record(s) for s in range(4)]
+    with writer(path, flush_every=1) as w:
+        for r in records:
+            w.append(r)
+        w.flush()                                 # shards 0..3, one step each, all listed by the scan
+
+        def truncate_then_read(read):
+            assert w.truncate_after(1) == 4       # manifest drops shards 2, 3; then their files go
+            return read()
+
+        during_manifest_read(monkeypatch, truncate_then_read)
+        store = GradientStore.open(path)
+        assert store.steps.tolist() == [0, 1]
+        assert_rows(store.read_all(), records[:2])
+
+
+def test_a_shard_flushed_and_truncated_away_during_the_scan_is_gone_not_missing(tmp_path, monkeypatch):
+    # the listing misses shard 1 (step 2), the manifest read lists it, and a truncate removes it before
+    # it is looked up again: the manifest, read once more, no longer lists it
+    path = tmp_path / "s"
+    records = [record(s) for s in range(3)]
+    with writer(path, flush_every=100) as w:
+        w.append(records[0])
+        w.append(records[1])
+        w.flush()
+        w.append(records[2])
+
+        def flush_read_truncate(read):
+            w.flush()
+            state = read()
+            assert sorted(state.shards) == [0, 1]
+            w.truncate_after(1)
+            return state
+
+        during_manifest_read(monkeypatch, flush_read_truncate)
+        store = GradientStore.open(path)
+        assert_rows(store.read_all(), records[:2])
+
+
+def test_a_shard_missing_under_a_live_writer_is_still_reported(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=1) as w:
+        w.append(record(0))
+        w.append(record(1))
+        w.flush()
+        (path / "shards" / "r00000-00000000.h5").unlink()
+        with pytest.raises(StoreCorruptError,
+                           match=r"r00000-00000000.h5 is listed in manifest-r00000.json but missing"):
+            GradientStore.open(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# B. damaged but parseable store.json / manifest
+
+
+def _edit_json(path: Path, edit):
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(data)))
+
+
+def _without(key):
+    return lambda d: {k: v for k, v in d.items() if k != key}
+
+
+def _layer0(**changes):
+    def edit(d):
+        layer = {k: v for k, v in d["layers"][0].items() if k not in changes or changes[k] is not None}
+        layer.update({k: v for k, v in changes.items() if v is not None})
+        return {**d, "layers": [layer, *d["layers"][1:]]}
+    return edit
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: [], "the file"),
+    (lambda d: None, "the file"),
+    (_without("layers"), "layers"),
+    (lambda d: {**d, "layers": []}, "layers"),
+    (_without("dtype"), "dtype"),
+    (lambda d: {**d, "dtype": "float64"}, "dtype"),
+    (lambda d: {**d, "format_version": "x"}, "format_version"),
+    (lambda d: {**d, "capture": []}, "capture"),
+    (_without("projector_hash"), "projector_hash"),
+    (_layer0(shape=None), r"layers\[0\].shape"),
+    (_layer0(shape=[4, "5"]), r"layers\[0\].shape"),
+    (_layer0(shape=[3, 5, 1]), r"layers\[0\].shape"),
+    (_layer0(rank=-1), r"layers\[0\].rank"),
+    (_layer0(name="fc2"), r"layers\[1\].name"),
+    (lambda d: {**d, "layers": ["fc", *d["layers"][1:]]}, r"layers\[0\]"),
+])
+def test_a_damaged_store_json_is_a_corrupt_error_naming_the_field(tmp_path, edit, field):
+    path = tmp_path / "s"
+    with writer(path, flush_every=1) as w:
+        w.append(record(0))
+    _edit_json(path / "store.json", edit)
+    with pytest.raises(StoreCorruptError, match=rf"store.json is damaged: {field} "):
+        GradientStore.open(path)
+
+
+def _shard0(**changes):
+    return lambda d: {**d, "shards": [{**d["shards"][0], **changes}, *d["shards"][1:]]}
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: {**d, "counters": []}, "counters"),
+    (lambda d: {**d, "counters": {"rows_written": "2"}}, "counters.rows_written"),
+    (lambda d: {**d, "shards": {}}, "shards"),
+    (_without("next_seq"), "next_seq"),
+    (lambda d: {**d, "rank": 3}, "rank"),
+    (_shard0(num_rows="2"), r"shards\[0\].num_rows"),
+    (_shard0(num_rows=2.0), r"shards\[0\].num_rows"),
+    (_shard0(bytes=None), r"shards\[0\].bytes"),
+    (_shard0(file="../../elsewhere.h5"), r"shards\[0\].file"),
+    (_shard0(step_min=5), r"shards\[0\]"),
+    (lambda d: {**d, "shards": [d["shards"][0], d["shards"][0]]}, r"shards\[1\].seq"),
+    (lambda d: {**d, "shards": [7]}, r"shards\[0\]"),
+])
+def test_a_damaged_manifest_is_a_corrupt_error_naming_the_field_and_repair_rebuilds_it(tmp_path, edit, field):
+    path = tmp_path / "s"
+    records = [record(0), record(1)]
+    with writer(path, flush_every=1) as w:
+        for r in records:
+            w.append(r)
+    _edit_json(path / "manifest-r00000.json", edit)
+    with pytest.raises(StoreCorruptError, match=rf"manifest-r00000.json is damaged: {field} .*repair=True"):
+        GradientStore.open(path)
+    with pytest.warns(RuntimeWarning, match="rebuilding unreadable manifest"):
+        store = GradientStore.open(path, repair=True)
+    assert_rows(store.read_all(), records)
+    assert GradientStore.open(path).num_rows == 4      # the rebuilt manifest was written
+
+
+# ---------------------------------------------------------------------------------------------
+# C. shards checked against store.json on read
+
+
+@pytest.mark.parametrize("edit, says", [
+    (_layer0(shape=[5, 3]), r"layer 'fc' is stored as \(5, 3\) float32"),
+    (lambda d: {**d, "dtype": "float16"}, r"layer 'fc' is stored as \(3, 5\) float16"),
+])
+def test_a_shard_that_contradicts_store_json_is_a_corrupt_error_naming_both(tmp_path, edit, says):
+    path = tmp_path / "s"
+    with writer(path, flush_every=2) as w:
+        w.append(record(0))
+        w.append(record(1))
+    _edit_json(path / "store.json", edit)
+    store = GradientStore.open(path)
+    store_json = re.escape(str(path / "store.json"))
+    with pytest.raises(StoreCorruptError, match=r"r00000-00000000.h5: dataset grads/L0000 holds rows of "
+                                                rf"\(3, 5\) float32, but {store_json} says {says}"):
+        store.read_all()
+
+
+# ---------------------------------------------------------------------------------------------
+# D. a reader opened before a writer's truncate_after
+
+
+@pytest.mark.parametrize("read", [
+    lambda s: s.read_all(),
+    lambda s: s.read_all(layers=["fc"]),
+    lambda s: s.read_all(steps=[0, 1]),
+    lambda s: s.num_examples,
+])
+def test_a_reader_opened_before_a_truncate_is_told_to_refresh(tmp_path, read):
+    path = tmp_path / "s"
+    records = [record(s) for s in range(4)]
+    with writer(path, flush_every=4) as w:
+        for r in records:
+            w.append(r)
+        w.flush()                                 # one shard of 8 rows
+        store = GradientStore.open(path)
+        w.truncate_after(1)                       # rewritten under the same name with 4 rows
+        with pytest.raises(StoreError, match=r"r00000-00000000.h5 changed since the store was opened "
+                                             r"\(dataset \w+ has 4 rows where the index says 8\).*refresh\(\)") as exc:
+            read(store)
+        assert type(exc.value) is StoreError              # not damage: nothing to repair
+        store.refresh()
+        assert_rows(store.read_all(), records[:2])
+
+
+@pytest.mark.parametrize("readahead", [True, False])
+def test_a_reader_opened_before_a_truncate_removed_a_shard_is_told_to_refresh(tmp_path, readahead):
+    path = tmp_path / "s"
+    records = [record(s) for s in range(4)]
+    with writer(path, flush_every=1) as w:
+        for r in records:
+            w.append(r)
+        w.flush()                                 # shards 0..3, one step each
+        store = GradientStore.open(path)
+        w.truncate_after(1)                       # shards 2, 3 removed
+        seen = []
+        with pytest.raises(StoreError, match=r"r00000-00000002.h5 is gone since the store was opened.*"
+                                             r"refresh\(\)") as exc:
+            for block in store.iter_blocks(block_size=2, readahead=readahead):
+                seen.append(int(block.steps[0]))
+        assert type(exc.value) is StoreError and seen == [0, 1]
+        store.refresh()
+        assert_rows(store.read_all(), records[:2])
+
+
+def test_a_shard_replaced_after_hdf5_opened_it_is_not_read_at_the_old_offsets(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=4) as w:
+        for s in range(4):
+            w.append(record(s))
+        w.flush()
+        shard_path = path / "shards" / "r00000-00000000.h5"
+        with _ShardReader(open_h5(shard_path), shard_path) as shard:
+            assert shard.read("grads/L0000", np.arange(2)).shape == (2, 3, 5)   # raw file not yet open
+            shard._file.close()
+            shard._file = None
+            w.truncate_after(1)                   # another file under the shard's name now
+            with pytest.raises(StoreError, match=r"r00000-00000000.h5 changed since the store was opened "
+                                                 r"\(another file has its name now\)"):
+                shard.read("grads/L0001")
+
+
+def test_rows_past_a_datasets_end_are_refused(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=2) as w:
+        w.append(record(0))
+        w.append(record(1))
+    shard_path = path / "shards" / "r00000-00000000.h5"
+    for name in ("grads/L0000", "ids"):
+        with _ShardReader(open_h5(shard_path), shard_path) as shard:
+            with pytest.raises(StoreError, match=rf"rows 3..4 of dataset {name} were asked for; it has 4"):
+                shard.read(name, np.array([3, 4]))
+
+
+# ---------------------------------------------------------------------------------------------
+# E. damaged bytes inside a complete shard
+
+
+def test_a_damaged_compressed_chunk_names_the_shard_and_the_dataset(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=2, compression="gzip") as w:
+        w.append(record(0, rows=40))
+        w.append(record(1, rows=40))
+    shard_path = path / "shards" / "r00000-00000000.h5"
+    with h5py.File(shard_path, "r") as f:
+        chunk = f["grads/L0001"].id.get_chunk_info(0)
+    with open(shard_path, "r+b") as fh:               # same size: open() trusts it
+        fh.seek(chunk.byte_offset + chunk.size // 4)
+        fh.write(b"\xff" * (chunk.size // 2))
+    store = GradientStore.open(path)
+    assert len(store.read_all(layers=["fc"])) == 80   # the undamaged layer still reads
+    with pytest.raises(StoreCorruptError, match=r"r00000-00000000.h5: dataset grads/L0001 cannot be read "
+                                                r"\(.*\); the file is damaged.*move it out"):
+        store.read_all()
+
+
+def test_a_shard_whose_key_column_cannot_be_found_names_it(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=2) as w:
+        w.append(record(0))
+        w.append(record(1))
+    shard_path = path / "shards" / "r00000-00000000.h5"
+    data = shard_path.read_bytes()
+    assert data.count(b"ids\x00") == 1
+    shard_path.write_bytes(data.replace(b"ids\x00", b"idz\x00"))     # same size, name damaged
+    store = GradientStore.open(path)
+    for read in (lambda: store.num_examples, store.read_all):
+        with pytest.raises(StoreCorruptError, match=r"r00000-00000000.h5: dataset ids cannot be opened"):
+            read()
+
+
+# ---------------------------------------------------------------------------------------------
+# F. failing writes while opening
+
+
+def test_a_lock_that_cannot_be_created_is_a_store_error_naming_it(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=1) as w:
+        w.append(record(0))
+    (path / "locks" / "r00000.lock").unlink()
+    (path / "locks").rmdir()
+    (path / "locks").write_text("not a directory")
+    lock = re.escape(str(path / "locks" / "r00000.lock"))
+    with pytest.raises(StoreError, match=rf"cannot create the writer lock {lock} of rank 0"):
+        writer(path)
+
+
+def test_a_manifest_rewrite_on_a_full_disk_during_the_scan_is_a_store_error(tmp_path, monkeypatch):
+    path = tmp_path / "s"
+    with writer(path, flush_every=1) as w:
+        w.append(record(0))
+    (path / "manifest-r00000.json").unlink()          # the writer's scan adopts the shard and rewrites it
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(manifest_module, "write_json_atomic", disk_full)
+    with pytest.raises(StoreError, match=r"cannot rewrite .*manifest-r00000.json .*the disk is full"):
+        writer(path)
+    monkeypatch.undo()
+    with writer(path):                                # the failed create released its lock
+        pass
+
+
+def test_a_quarantine_that_cannot_be_created_is_a_store_error(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=1) as w:
+        w.append(record(0))
+        w.append(record(1))
+    victim = path / "shards" / "r00000-00000001.h5"
+    victim.write_bytes(victim.read_bytes()[:100])
+    (path / "quarantine").write_text("not a directory")
+    with pytest.raises(StoreError, match=r"cannot move unreadable shard .*r00000-00000001.h5 to"):
+        GradientStore.open(path, repair=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# G. reads longer than one read() returns
+
+
+class _ShortReads:
+    """A raw file whose ``readinto`` returns at most ``cap`` bytes, as Linux does above 0x7ffff000."""
+
+    def __init__(self, raw, cap):
+        self.raw, self.cap, self.calls = raw, cap, 0
+
+    def seek(self, offset):
+        return self.raw.seek(offset)
+
+    def readinto(self, view):
+        self.calls += 1
+        return self.raw.readinto(view[:self.cap])
+
+    def close(self):
+        self.raw.close()
+
+
+def test_a_read_longer_than_one_read_call_returns_is_completed(tmp_path):
+    path = tmp_path / "s"
+    with writer(path, flush_every=3) as w:
+        for s in range(3):
+            w.append(record(s, rows=5))
+    shard_path = path / "shards" / "r00000-00000000.h5"
+    with h5py.File(shard_path, "r") as f:
+        want = f["grads/L0000"][:]
+    with _ShardReader(open_h5(shard_path), shard_path) as shard:
+        shard._file = short = _ShortReads(open(shard_path, "rb", buffering=0), cap=64)
+        got = shard.read("grads/L0000")
+        assert np.array_equal(got, want) and short.calls > want.nbytes // 64
