@@ -504,7 +504,7 @@ class TDAConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, path: str = "tda") -> "TDAConfig":
-        return parse_config(cls, data or {}, path=path)
+        return parse_config(cls, {} if data is None else data, path=path)
 
     @classmethod
     def from_yaml(cls, file: str | Path, *, overrides: list[str] | None = None,

@@ -288,6 +288,12 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
              .replace("--max_duration=8", "--max_duration=9").replace("--stop_at=8", "--stop_at=9") for a in more]
     done = _train(other + [f"--load_path={run / 'step8-unsharded'}", "--optimizer.learning_rate=0.03"], cwd=tmp_path)
     assert done.returncode == 0 and "whose run stored its gradients in" in done.stdout + done.stderr
+    # again, now that that store holds the step it ran: refused, as it would mix two runs' rows there
+    held, _ = stored(tmp_path / "store_other")
+    mixed = _train(other + [f"--load_path={run / 'step8-unsharded'}", "--optimizer.learning_rate=0.03"],
+                   cwd=tmp_path)
+    assert mixed.returncode != 0 and "continuing would mix the two runs' rows" in mixed.stdout + mixed.stderr
+    assert stored(tmp_path / "store_other")[0] == held and {s for s, _ in held} == {9}
 
 
 def test_a_failing_rank_ends_the_job_with_its_own_error(data_dir):

@@ -97,6 +97,27 @@ def test_a_relative_path_of_an_older_run_is_left_alone(tmp_path, monkeypatch):
     assert GradientStore.open(now / "store").num_rows == 2 and GradientStore.open(old_cwd / "store").num_rows == 2
 
 
+def test_a_fresh_start_removes_the_store_its_old_run_wrote_not_one_made_there_since(tmp_path):
+    """tda.yaml records the id of the store its run wrote: a store another run has made at that path
+    since is left alone; the old run's own store (the same id) goes."""
+    for replaced in (True, False):
+        store = _store(tmp_path / f"store{replaced}")
+        run = _old_run(tmp_path / f"run{replaced}", {"store": {"path": str(store)}})
+        saved = yaml.safe_load((run / "tda.yaml").read_text())
+        saved["store_id"] = GradientStore.open(store).meta["store_id"]
+        (run / "tda.yaml").write_text(yaml.safe_dump(saved))
+        if replaced:                  # the old store removed by hand, another run's made at its path
+            for child in store.iterdir():
+                olmo_train._remove(child)
+            _store(store, rows=3)
+        olmo_train._choose_start(_cfg(run), TDAConfig())
+        assert not (run / "step2").exists()
+        if replaced:
+            assert GradientStore.open(store).num_rows == 3
+        else:
+            assert not store.exists()
+
+
 def test_trajectory_debris_and_an_outside_latest_link(tmp_path):
     """A crash mid-rewrite leaves stepN.old.tmp (the old trajectory is still removed); a `latest` link
     to a checkpoint outside the folder is only unlinked, even when that checkpoint is loaded."""

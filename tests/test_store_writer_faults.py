@@ -249,3 +249,34 @@ def test_zero_and_tensor_learning_rates_are_stored_as_numbers(tmp_path):
     assert sorted(set(zip(block.steps.tolist(), block.lr.tolist()))) == [(0, 0.0), (1, 0.5)]
     assert not any(math.isnan(x) for x in block.lr)
     assert np.all(block.lr >= 0)
+
+
+def test_a_resume_refuses_another_runs_store_that_holds_rows(tmp_path, caplog):
+    """check_resume, which both integrations call before a resume cuts anything: the checkpoint
+    names the store its run wrote by id. Another store here with rows is refused (its rows stay);
+    the same store (moved: another path) or a new, empty one continues; without ids (stores and
+    checkpoints made before ids) a different path is only warned about."""
+    ours = GradientStore.create(tmp_path / "ours", worker.META, StoreConfig())
+    ours.append(worker.make_record(1))
+    ours.flush()
+    theirs = {"store": str(tmp_path / "theirs"), "store_id": "0" * 32}
+    assert ours.store_id and len(ours.store_id) == 32 and ours.held_rows() == ROWS
+    with pytest.raises(StoreMismatchError, match=rf"tda.store.path {tmp_path / 'ours'} holds the store "
+                                                 rf"{ours.store_id} with {ROWS} rows of another run"):
+        ours.check_resume(theirs, 1)
+    ours.check_resume({"store": "/moved/from/here", "store_id": ours.store_id}, 1)   # the same store, moved
+    with caplog.at_level("WARNING"):
+        ours.check_resume({"store": str(tmp_path / "ours")}, 1)                   # no id, same path: silent
+        assert not caplog.records
+        ours.check_resume({"store": str(tmp_path / "theirs")}, 1)                 # no id, another path
+        assert "whose run stored its gradients in" in caplog.text
+    ours.close()
+    assert GradientStore.open(tmp_path / "ours").num_rows == ROWS
+
+    new = GradientStore.create(tmp_path / "new", worker.META, StoreConfig())
+    assert new.store_id != ours.store_id and new.held_rows() == 0
+    with caplog.at_level("WARNING"):
+        caplog.clear()
+        new.check_resume(theirs, 1)                                               # empty: continues, said
+        assert f"stored its gradients in {tmp_path / 'theirs'}" in caplog.text
+    new.close()

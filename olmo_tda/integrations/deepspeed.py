@@ -293,7 +293,7 @@ class DeepSpeedTDA:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume the store: plain types only."""
-        return {"store": str(self.store.path), "step": int(self.engine.global_steps),
+        return {"store": str(self.store.path), "store_id": self.store.store_id, "step": int(self.engine.global_steps),
                 "projector_hash": self.capture.projector_hash, "tokens_seen": self._tokens_seen,
                 "trajectory": self.trajectory.state_dict() if self.trajectory is not None else None}
 
@@ -303,10 +303,11 @@ class DeepSpeedTDA:
         if state is not None and state.get("projector_hash") != self.capture.projector_hash:
             raise ConfigError(f"tda.capture: resuming with projectors {self.capture.projector_hash} but the "
                               f"checkpoint's store used {state.get('projector_hash')}; keep tda.capture as it was")
+        step = int(self.engine.global_steps)
+        self.store.check_resume(state, step)    # another run's store here: refused before anything is cut
         if self._open is not None:
             self._open.close()
         self._open, self._open_rec, self._pending = None, None, []
-        step = int(self.engine.global_steps)
         if self.trajectory is not None:     # the schedule as of the checkpoint (refused before the store is
             self.trajectory.resume(step, (state or {}).get("trajectory"))    # cut); its later checkpoints go
         dropped = self.store.truncate_after(step)

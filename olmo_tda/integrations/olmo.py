@@ -415,7 +415,7 @@ class TDATrainer(Trainer):
                              "torch": torch.random.get_rng_state()}}
         if self.store is not None:
             state["tda"] = {"store": str(self.store.path), "step": self.global_step,
-                            "projector_hash": self.capture.projector_hash}
+                            "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id}
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
         return _weights_only_safe(state)
@@ -433,6 +433,8 @@ class TDATrainer(Trainer):
         if self.store is not None and saved is not None and saved.get("projector_hash") != self.capture.projector_hash:
             raise ConfigError(f"resuming with different projectors ({self.capture.projector_hash}) than the "
                               f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
+        if self.store is not None:          # another run's store here: refused before anything is cut
+            self.store.check_resume(saved, self.global_step)
         if self.trajectory is not None:     # drops the abandoned run's later checkpoints
             self.trajectory.resume(self.global_step, state_dict.get("tda_trajectory"))
         if self._metrics_file is not None:  # and its later steps' metrics, which will be re-run
@@ -441,12 +443,6 @@ class TDATrainer(Trainer):
             self._reapply_selection()
         if self.store is None:
             return
-        theirs = saved.get("store") if saved is not None else None
-        if theirs and Path(theirs).resolve() != Path(self.store.path).resolve():
-            log.warning("tda: resuming a checkpoint whose run stored its gradients in %s, while this run's store is "
-                        "%s: its rows up to step %d stay as they are, from whichever run wrote them (point "
-                        "tda.store.path at the checkpoint's store to continue that run's)", theirs,
-                        self.store.path, self.global_step)
         dropped = self.store.truncate_after(self.global_step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)

@@ -5,6 +5,7 @@ FSDP; a single process works without ``torchrun`` (a one-rank gloo group is made
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -130,11 +131,13 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: ty
                        scheduler=scheduler, train_loader=train_loader, device=device, evaluators=evaluators, **extra)
 
 
-def _save_configs(cfg, tda_cfg: TDAConfig) -> None:
+def _save_configs(cfg, tda_cfg: TDAConfig, store_id: str | None = None) -> None:
     folder = Path(cfg.save_folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save(folder / "config.yaml")                         # plain OLMo: loadable by OLMo's tools
-    (folder / TDA_YAML).write_text(yaml.safe_dump({"tda": tda_cfg.to_dict()}, sort_keys=False))
+    # store_id: which store is this run's, so a later fresh start here removes that store only
+    saved = {"tda": tda_cfg.to_dict(), **({"store_id": store_id} if store_id else {})}
+    (folder / TDA_YAML).write_text(yaml.safe_dump(saved, sort_keys=False))
 
 
 def _start_wandb(cfg) -> None:
@@ -177,7 +180,7 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
                 trainer.restore_checkpoint(cfg.load_path, load_optimizer_state=not cfg.reset_optimizer_state,
                                            load_trainer_state=not cfg.reset_trainer_state)
             if dist.get_rank() == 0 and not cfg.dry_run:
-                _save_configs(cfg, tda_cfg)
+                _save_configs(cfg, tda_cfg, trainer.store.store_id if trainer.store is not None else None)
             if cfg.load_path is not None and cfg.eval_on_load and trainer.evaluators:
                 log.info("evaluating the loaded checkpoint: %s", trainer.eval())
             elif cfg.load_path is None and not cfg.dry_run and not cfg.no_pre_train_checkpoint:
@@ -337,9 +340,10 @@ def _old_tda_outputs(folder: Path) -> list[Path]:
     estimated eigenbasis."""
     tda = folder / "tda"
     try:
-        old = TDAConfig.from_dict((yaml.safe_load((folder / TDA_YAML).read_text()) or {}).get("tda"))
+        saved = yaml.safe_load((folder / TDA_YAML).read_text()) or {}
+        old, old_store_id = TDAConfig.from_dict(saved.get("tda")), saved.get("store_id")
     except (OSError, yaml.YAMLError, ConfigError, AttributeError):
-        old = TDAConfig()
+        old, old_store_id = TDAConfig(), None
     out = []
     for named, default, kind in ((old.store.path, tda / "store", "store"),
                                  (old.trajectory.path, tda / "trajectory", "trajectory")):
@@ -349,6 +353,10 @@ def _old_tda_outputs(folder: Path) -> list[Path]:
                         "process cannot know) as it is", named, kind)
             continue
         entry = _STORE_ENTRY if kind == "store" else _TRAJECTORY_ENTRY
+        if kind == "store" and old_store_id and _holds(path, kind) and _store_id(path) != old_store_id:
+            log.warning("save_overwrite: leaving %s (the old run's tda.store.path) as it is: it holds another "
+                        "store now (id %s, the old run wrote %s)", path, _store_id(path), old_store_id)
+            continue
         if _holds(path, kind) and all(entry.match(p.name) for p in path.iterdir()):
             if path not in out:
                 out.append(path)
@@ -359,6 +367,15 @@ def _old_tda_outputs(folder: Path) -> list[Path]:
     if not old.capture.basis and (tda / BASIS_FILE).is_file():
         out.append(tda / BASIS_FILE)
     return out
+
+
+def _store_id(path: Path) -> str | None:
+    """The id in a store's ``store.json`` (None: unreadable, or made before stores had ids)."""
+    try:
+        meta = json.loads((path / STORE_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("store_id") if isinstance(meta, dict) else None
 
 
 def _remove(path: Path, *, through_link: bool = False) -> None:

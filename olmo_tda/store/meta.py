@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -104,6 +105,9 @@ def build_store_meta(meta: dict[str, Any], dtype: StoreDType) -> dict[str, Any]:
         "projector_hash": str(meta["projector_hash"]),
         "extra": _plain(meta.get("extra", {}), "extra"),
         "created_unix": time.time(),
+        # which store this is, wherever it is moved (never compared: every create asks for a new one,
+        # and the first rank's store.json wins); a checkpoint names the store its run wrote by it
+        "store_id": uuid.uuid4().hex,
     }
 
 

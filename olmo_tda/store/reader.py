@@ -190,6 +190,7 @@ class GradientStore:
         num_rows = self.num_rows
         return {
             "path": str(self.path),
+            "store_id": self.meta.get("store_id"),
             "format_version": self.meta["format_version"],
             "library_version": self.meta.get("library_version"),
             "gradient_convention": self.meta["gradient_convention"],

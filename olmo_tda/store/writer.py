@@ -37,7 +37,7 @@ import torch
 
 from olmo_tda.config import StoreConfig, StoreDType
 
-from .errors import StoreError, StoreWriteError, describe_os_error
+from .errors import StoreError, StoreMismatchError, StoreWriteError, describe_os_error
 from .format import (
     SHARD_DIR,
     STORE_JSON,
@@ -260,6 +260,42 @@ class StoreWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def store_id(self) -> str | None:
+        """The id ``store.json`` was created with (None for a store made before ids existed)."""
+        return self.meta.get("store_id")
+
+    def held_rows(self) -> int:
+        """Rows in the store's shards, every rank's (other ranks' as of this writer's open)."""
+        with self._mutex:
+            own = sum(info.num_rows for info in self._state.shards.values())
+        return own + sum(info.num_rows for info in self._other_shards)
+
+    def check_resume(self, saved: dict[str, Any] | None, step: int) -> None:
+        """Before a resume from a checkpoint at ``step`` cuts this store back: refuse one whose run
+        wrote another store (``saved``: the checkpoint's ``{"store": path, "store_id": id}``) while
+        this one holds rows, since continuing would mix two runs' rows here. A store moved since
+        (same id) or a new, empty one continues; without ids (older stores) paths are compared and a
+        difference is only warned about."""
+        saved = saved or {}
+        theirs, theirs_id = saved.get("store"), saved.get("store_id")
+        same_path = bool(theirs) and Path(theirs).resolve() == self.path.resolve()
+        if theirs_id and self.store_id:
+            if theirs_id == self.store_id:
+                return
+            rows = self.held_rows()
+            if rows:
+                raise StoreMismatchError(
+                    f"resuming a checkpoint of step {step} whose run wrote the gradient store {theirs_id} (at "
+                    f"{theirs}), but tda.store.path {self.path} holds the store {self.store_id} with {rows} rows "
+                    "of another run: continuing would mix the two runs' rows. Point tda.store.path at the "
+                    "checkpoint's store to continue it, or at a new path to start a store at this step")
+        elif not theirs or same_path:
+            return
+        logger.warning("tda: resuming a checkpoint whose run stored its gradients in %s, while this run's store "
+                       "is %s: its rows up to step %d stay as they are, from whichever run wrote them (point "
+                       "tda.store.path at the checkpoint's store to continue that run's)", theirs, self.path, step)
 
     @property
     def stats(self) -> dict[str, int]:
