@@ -102,6 +102,8 @@ def ds_config(case: dict, store: Path) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": case["gas"],
             "zero_optimization": {"stage": case["stage"]}, "bf16": {"enabled": case["dtype"] == "bf16"},
             "fp16": {"enabled": case["dtype"] == "fp16", "initial_scale_power": 8},
+            # fp16 autocast (runs on CPU): the ZeRO optimizer's GradScaler (2^16) multiplies the loss
+            **({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}} if case["dtype"] == "autocast16" else {}),
             "steps_per_print": 10_000, "wall_clock_breakdown": False,
             "tda": {"enabled": True, "capture": {"proj_dim": case["proj"], "rank": case["rank"],
                                                  # the token table too; the learned position table is

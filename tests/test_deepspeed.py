@@ -35,6 +35,8 @@ EXTRA = ["stage=3,gas=2,dtype=fp32,init=1",                    # zero.Init parti
          "stage=3,gas=2,dtype=bf16,init=1,traj=1,steps=3",     # trajectory checkpoints gathered from ZeRO-3
          "stage=2,gas=2,dtype=fp32,nan_step=2,steps=3",         # overflow: the engine skips step 2
          "stage=1,gas=1,dtype=fp32,nan_step=1,steps=2"]
+AUTOCAST = ["stage=2,gas=2,dtype=autocast16",                 # fp16 autocast: a 2^16 loss scale to undo
+            "stage=1,gas=2,dtype=autocast16,backward=scale"]
 RANKED = ["stage=3,gas=2,dtype=fp32,init=1,rank=3"]               # LoRIF factors (12 tokens > c: truncated)
 EMB = ["stage=3,gas=2,dtype=fp32,init=1,emb=1",                 # capture.embeddings on a partitioned table
        "stage=3,gas=2,dtype=fp32,init=1,emb=2"]                  # ... whose head is tied to it
@@ -62,7 +64,7 @@ def torchrun(out: Path, *cases: str, expect_ok: bool = True, timeout: int = 900,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds")
-    torchrun(out, *MATRIX, *EXTRA, *RANKED, *EMB, "errors")
+    torchrun(out, *MATRIX, *EXTRA, *AUTOCAST, *RANKED, *EMB, "errors")
     return out
 
 
@@ -122,7 +124,7 @@ def check_against_torch_func(root: Path, case: dict, tol: float, world: int = 2)
     return worst
 
 
-@pytest.mark.parametrize("text", MATRIX + EXTRA[:7] + RANKED + EMB, ids=lambda t: worker.case_name(worker.parse_case(t)))
+@pytest.mark.parametrize("text", MATRIX + EXTRA[:7] + AUTOCAST + RANKED + EMB, ids=lambda t: worker.case_name(worker.parse_case(t)))
 def test_deepspeed_zero_capture_equals_torch_func_per_example_gradients(runs, text):
     case = worker.parse_case(text)
     root = runs / worker.case_name(case)

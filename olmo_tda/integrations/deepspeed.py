@@ -38,6 +38,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import weakref
 from collections.abc import Mapping
 from functools import partial
@@ -120,6 +121,8 @@ class DeepSpeedTDA:
         self._explicit: tuple[Any, float] | None = None
         self._open: contextlib.ExitStack | None = None
         self._open_rec: Recording | None = None
+        # record -> the gradient that reached its loss (a record dropped unstepped leaves with its entry)
+        self._loss_grads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending: list[Recording] = []
         self._handles: list[Any] = []
         self._owns_capture = capture is None
@@ -220,18 +223,38 @@ class DeepSpeedTDA:
 
     def _backward(self, *args: Any, **kwargs: Any) -> Any:
         orig = type(self.engine).backward
-        rec = self._open_rec
-        if rec is not None:
-            if not _signature(orig).bind(self.engine, *args, **kwargs).arguments.get("scale_wrt_gas", True):
-                rec.loss_scale /= self._gas()
-            rec.loss_scale *= self._fp16_loss_scale()
+        if self._open_rec is not None:       # engine.backward(loss, retain_graph=False, scale_wrt_gas=True)
+            self._measure_loss_factor(self._open_rec, args[0] if args else kwargs.get("loss"))
         return orig(self.engine, *args, **kwargs)
 
     def _scale(self, loss: Any) -> Any:
         """``engine.scale(loss).backward()``: the manual-backward form of fp16 loss scaling."""
         if self._open_rec is not None:
-            self._open_rec.loss_scale *= self._fp16_loss_scale()
+            self._measure_loss_factor(self._open_rec, loss)
         return type(self.engine).scale(self.engine, loss)
+
+    def _measure_loss_factor(self, rec: Recording, loss: Any) -> None:
+        """Keep the gradient that reaches ``loss`` in its backward: the factor between ``loss`` and
+        what the captured gradients are of, whatever DeepSpeed applied (``1/gas`` unless
+        ``scale_wrt_gas=False``, the fp16 or torch-autocast loss scale of any optimizer, a custom
+        scaler). Reading it instead of DeepSpeed's settings follows each version's own branches;
+        it is read (a device sync) only at the step. A direct ``loss.backward()`` has no factor
+        to measure: its rows keep ``divisor × gas`` (DeepSpeed divides it by gas, and refuses fp16)."""
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            return
+
+        def keep(grad: torch.Tensor) -> None:
+            self._loss_grads[rec] = grad.detach()
+        loss.register_hook(keep)
+
+    def _undo_loss_factor(self, rec: Recording) -> None:
+        """Set ``rec.loss_scale`` to the divisor over the measured factor (it was ``divisor × gas``)."""
+        grad = self._loss_grads.pop(rec, None)
+        if grad is None:
+            return
+        factor = float(grad.float().reshape(-1)[0])
+        if math.isfinite(factor) and factor > 0:
+            rec.loss_scale = rec.loss_scale / self._gas() / factor
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
@@ -259,6 +282,8 @@ class DeepSpeedTDA:
     def _commit(self, records: list[Recording], step: int, lr: float) -> None:
         if not records:
             return
+        for r in records:
+            self._undo_loss_factor(r)
         ids = np.concatenate([r.ids for r in records])
         scales = np.concatenate([np.full(len(r.ids), r.loss_scale) for r in records])
         parts = [r.stored() for r in records]          # dense, or LoRIF factors with capture.rank
@@ -373,17 +398,6 @@ class DeepSpeedTDA:
 
     def _gas(self) -> int:
         return int(self.engine.gradient_accumulation_steps())
-
-    def _fp16_loss_scale(self) -> float:
-        """The factor ``engine.backward`` multiplies the loss by (1 unless fp16 loss scaling is on)."""
-        engine = self.engine
-        scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
-        if scaler is not None:
-            return float(scaler.get_scale())
-        if not engine.fp16_enabled():
-            return 1.0
-        scale = engine._get_optimizer_loss_scale()   # DeepSpeed keeps the live dynamic scale there
-        return float(scale) if scale else 1.0
 
 
 _signature = functools.lru_cache(maxsize=8)(inspect.signature)
