@@ -265,6 +265,34 @@ def check_errors(out: Path) -> None:
             tda.close()
 
     outcome("projector_mismatch", projector_mismatch)
+
+    def warm_start():          # weights only from that checkpoint: not a resume of its run (other projectors)
+        tda = attach(engine, {**good, "capture": {"proj_dim": 8}, "store": {"path": str(root / "warm_store")}})
+        try:
+            engine.load_checkpoint(str(root / "ckpt"), load_module_only=True)
+            return f"global_steps={engine.global_steps} rows={tda.store.held_rows()}"
+        finally:
+            tda.close()
+
+    outcome("warm_start", warm_start)
+
+    def attach_twice():
+        first = attach(engine, {**good, "store": {"path": str(root / "twice_store")}})
+        try:
+            attach(engine, {**good, "store": {"path": str(root / "twice_store2")}})
+        finally:
+            first.close()
+
+    outcome("attach_twice", attach_twice)
+
+    def reserved_key():
+        tda = attach(engine, {**good, "store": {"path": str(root / "key_store")}})
+        try:
+            engine.save_checkpoint(str(root / "ckpt_key"), client_state={"olmo_tda": "mine"})
+        finally:
+            tda.close()
+
+    outcome("reserved_key", reserved_key)
     if dist.get_rank() == 0:
         (root / "results.json").write_text(json.dumps(results, indent=1))
 

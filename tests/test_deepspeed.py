@@ -231,6 +231,9 @@ def test_deepspeed_bad_input_names_the_problem_and_disabled_touches_nothing(runs
     assert results["disabled"] == "ok: hooks=0 wrapped=[]"
     assert results["yaml"] == "ok: (8, 8)"
     assert results["projector_mismatch"].startswith("ConfigError: tda.capture: resuming with projectors")
+    assert results["warm_start"].startswith("ok: global_steps=")          # load_module_only: no resume checks
+    assert results["attach_twice"].startswith("ConfigError: attach: engine.step, engine.backward")
+    assert results["reserved_key"].startswith("ConfigError: save_checkpoint: client_state key 'olmo_tda'")
 
 
 def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,6 +72,12 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
     assert "size mismatch" in line and "give a new run_dir to start over" in line
     # the refused runs left the files of the run they refused to continue as they were
     assert {name: (run / name).read_bytes() for name in written} == written
+    # without its checkpoint the run cannot be resumed, and its store is not appended to by a new one
+    shutil.rmtree(run / "checkpoints")
+    fresh = run_script(tmp_path, f"--run_dir={run}", "--steps=2", *SMALL)
+    assert fresh.returncode == 2
+    assert f"run_dir: {run} has no checkpoint to resume from, but the gradient store {run / 'tda' / 'store'} holds " \
+           f"{summary['tda']['rows_captured']} rows of an earlier run" in error_line(fresh.stderr)
 
 
 def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_path):

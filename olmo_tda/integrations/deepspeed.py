@@ -133,6 +133,10 @@ class DeepSpeedTDA:
             if config.trajectory.enabled:
                 log.warning("tda.trajectory is kept by the capture session, which tda.store.enabled: false turns off")
             return
+        wrapped = [name for name in _WRAPPED if name in engine.__dict__]
+        if wrapped:         # another session's (or the user's) instance methods: ours would bypass them
+            raise ConfigError(f"attach: engine.{', engine.'.join(wrapped)} are already replaced on this engine (an "
+                              "earlier attach() still attached?): close() that session first")
         if config.store.path is None:
             raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
                               "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
@@ -301,17 +305,24 @@ class DeepSpeedTDA:
         orig = type(self.engine).save_checkpoint
         bound = _signature(orig).bind(self.engine, *args, **kwargs)
         bound.apply_defaults()
+        user_state = bound.arguments["client_state"] or {}
+        if STATE_KEY in user_state:
+            raise ConfigError(f"save_checkpoint: client_state key {STATE_KEY!r} is olmo_tda's (its store position "
+                              "goes there); rename yours")
         self.store.flush()                      # every committed step is durable before the checkpoint exists
-        bound.arguments["client_state"] = {**(bound.arguments["client_state"] or {}), STATE_KEY: self.state_dict()}
+        bound.arguments["client_state"] = {**user_state, STATE_KEY: self.state_dict()}
         return orig(*bound.args, **bound.kwargs)
 
     def _load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        out = type(self.engine).load_checkpoint(self.engine, *args, **kwargs)
+        orig = type(self.engine).load_checkpoint
+        module_only = bool(_signature(orig).bind(self.engine, *args, **kwargs).arguments.get("load_module_only"))
+        out = orig(self.engine, *args, **kwargs)
         load_path, client_state = out
         if load_path is None:
             return out
         saved = client_state.pop(STATE_KEY, None) if isinstance(client_state, dict) else None
-        self.load_state_dict(saved)
+        if not module_only:     # a warm start (weights only, global_steps stays 0) is not a resume of that run
+            self.load_state_dict(saved)
         return out
 
     # -- state -------------------------------------------------------------------------------------

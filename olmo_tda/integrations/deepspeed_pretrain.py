@@ -353,6 +353,12 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             session.close()
             raise ConfigError(f"steps: {cfg['steps']} is below the step {engine.global_steps} of the checkpoint in "
                               f"{ckpt}; give --steps >= {engine.global_steps}, or a new run_dir to start over")
+    elif session.store is not None and session.store.held_rows():
+        rows, path = session.store.held_rows(), session.store.path
+        session.close()
+        raise ConfigError(f"run_dir: {run_dir} has no checkpoint to resume from, but the gradient store {path} "
+                          f"holds {rows} rows of an earlier run: this run's would be mixed into it. Give a new "
+                          f"run_dir (or tda.store.path), or remove {path} to start over")
     # Written once the run has started or resumed: a refused resume leaves the files of the run it
     # refused to continue as they were.
     if rank == 0:
@@ -376,8 +382,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     selection = None
     if tda.enabled and tda.selection.enabled:
         selection = _start_selection(engine, tda, session, data, data_order, cfg, run_dir)
-        if engine.global_steps:
-            selection.resume(engine.global_steps)
+        selection.resume(engine.global_steps)   # a start without a checkpoint: an earlier log's rounds go
     device = engine.device
     t0, losses = time.perf_counter(), []
     for step in range(engine.global_steps + 1, steps + 1):
