@@ -571,3 +571,35 @@ def test_selection_target_is_read_by_its_suffix_and_checked(tmp_path):
                           ("big.bin", "token ids span [25185, 25185], outside the model's vocabulary [0, 257)")):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_target(tmp_path / name, 8, encode, num=4, eos_token_id=0, vocab_size=257)
+
+
+@pytest.mark.parametrize("policy", ["greats", "alignment", "loss"])
+def test_an_example_with_a_nonfinite_gradient_goes_last_and_the_round_still_ranks_the_rest(tmp_path, caplog, policy):
+    """One NaN/inf example once made every score NaN (the common direction and mean norm span all
+    rows) and the round kept the old order as if scored; now it is set aside, placed last and named."""
+    model = tiny_olmo()
+    data, target = _tokens(16), _tokens(4, seed=1)
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy=policy, target=str(tmp_path / "target.txt"),
+                          proj_dim=16, target_examples=4, micro_batch=5)
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
+                         target_tokens=target)
+    real = sel._measure_window
+
+    def overflowed(ids, fetch):                   # window position 3 (id 5) overflows
+        grads, losses, length = real(ids, fetch)
+        if grads is not None:
+            grads[3, 0] = float("inf")
+        losses[3] = float("nan")
+        return grads, losses, length
+    sel._measure_window = overflowed
+    with caplog.at_level("WARNING"):
+        new, stats = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
+                             tokens_per_batch=48, batch_size=4)
+    assert sorted(new[2:14]) == list(range(2, 14)) and new[13] == 5        # a permutation, id 5 last
+    assert "1 examples have a non-finite gradient or loss and go last in the window: ids [5]" in caplog.text
+    hist = sel.log.rounds()[-1]["score_hist"]
+    assert sum(hist["counts"]) == 11 and np.isfinite(hist["edges"]).all()    # the 11 scored ones
+    with pytest.raises(SelectionError, match="batch_size must be >= 1"):
+        greats_order(torch.randn(4, 3), torch.randn(3), 0.1, 0)
+    sel.close()

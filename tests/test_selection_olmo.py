@@ -6,6 +6,7 @@ trained on (from the capture store) and OLMo's own order rebuilt from its seed."
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from olmo_tda.demo.corpus import build_passages
 from olmo_tda.demo.data import write_memmap
 from olmo_tda.store import GradientStore
-from test_olmo_integration import GBS, ROOT, SEQ, _overrides, _run
+from test_olmo_integration import GBS, ROOT, SEQ, _overrides, _run, _train
 
 N_EXAMPLES = 256
 
@@ -120,6 +121,20 @@ def test_resume_reproduces_the_rewritten_order(data_dir):
                               np.fromfile(resumed / "train_data" / name, dtype=np.uint32))
     rounds = [json.loads(x)["step"] for x in (resumed / "tda" / "selection" / "rounds.jsonl").read_text().splitlines()]
     assert rounds == [3, 6, 9, 12]
+
+    # into another save_folder: its log lacks the round at step 3, so the order cannot be replayed and
+    # the resume is refused (it went on in the plain order); with the log copied there it replays
+    elsewhere = data_dir / "sel_elsewhere"
+    args = _sel_args(data_dir, "sel_elsewhere", 12, "--save_interval_unsharded=4",
+                     f"--load_path={full / 'step4-unsharded'}")
+    refused = _train(args)
+    assert refused.returncode != 0
+    assert "the checkpoint's run had applied 1 selection rounds by step 4" in refused.stdout + refused.stderr
+    shutil.rmtree(elsewhere / "tda" / "selection", ignore_errors=True)
+    shutil.copytree(full / "tda" / "selection", elsewhere / "tda" / "selection")
+    _run(args + ["--save_overwrite"])
+    c = _trained_ids(elsewhere)
+    assert sorted(c) == list(range(5, 13)) and all(np.array_equal(a[step], c[step]) for step in c)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -257,3 +272,21 @@ def test_a_round_inside_the_olmo_trainer_leaves_weights_optimizer_and_rngs_untou
     assert np.array_equal(np.sort(nxt["index"].numpy()), np.sort(np.asarray(order[3 * GBS:4 * GBS])))
     trainer.close()
     dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("flag", ["--data.generate_doc_lengths=true", "--data.generate_attention_mask=true"])
+def test_selection_refuses_data_masks_its_rounds_would_not_apply(data_dir, flag):
+    """A round scores the plain next-token loss of every position; with masks or document lengths
+    training's loss is another one, so the scores would rank examples by the wrong gradient."""
+    import torch.distributed as dist
+
+    from olmo_tda.config import ConfigError
+    from olmo_tda.integrations import olmo_train
+    from olmo_tda.integrations.olmo import load_configs
+
+    cfg, tda = load_configs(ROOT / "configs" / "demo_tiny.yaml", _sel_args(data_dir, "sel_masked", 2, flag))
+    try:
+        with pytest.raises(ConfigError, match=f"tda.selection does not apply data.{flag[7:].split('=')[0]}"):
+            olmo_train.build_trainer(cfg, tda, olmo_train.init_distributed())
+    finally:
+        dist.destroy_process_group()

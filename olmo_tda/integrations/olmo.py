@@ -165,26 +165,43 @@ class TDATrainer(Trainer):
         if not self.tda.enabled:
             return
         tda_dir = Path(self.cfg.save_folder) / "tda"
-        if self.tda.store.enabled:
-            self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
-            store_path = Path(self.tda.store.path or tda_dir / "store")
-            meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
-                                                              "data_paths": list(self.cfg.data.paths or [])}}
-            self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
-            itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
-            self._row_bytes = itemsize * self.capture.floats_per_example
-        if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
-            tda_dir.mkdir(parents=True, exist_ok=True)      # here wherever the store is: reports look here
-            self._metrics_file = open(tda_dir / "metrics.jsonl", "a", buffering=1)
-        if self.tda.selection.enabled:
-            self._start_selection(tda_dir / "selection")
-        if self.tda.trajectory.enabled:
-            from ..training.trajectory import Trajectory
+        try:
+            if self.tda.store.enabled:
+                self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
+                store_path = Path(self.tda.store.path or tda_dir / "store")
+                meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
+                                                                  "data_paths": list(self.cfg.data.paths or [])}}
+                self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
+                itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
+                self._row_bytes = itemsize * self.capture.floats_per_example
+            if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
+                tda_dir.mkdir(parents=True, exist_ok=True)      # here wherever the store is: reports look here
+                self._metrics_file = open(tda_dir / "metrics.jsonl", "a", buffering=1)
+            if self.tda.selection.enabled:
+                self._start_selection(tda_dir / "selection")
+            if self.tda.trajectory.enabled:
+                from ..training.trajectory import Trajectory
 
-            self.trajectory = Trajectory(self.tda.trajectory,
-                                         self.tda.trajectory.path or Path(self.cfg.save_folder) / "tda" / "trajectory",
-                                         projector_hash=self.capture.projector_hash if self.capture else None,
-                                         rank=_rank())
+                self.trajectory = Trajectory(self.tda.trajectory, self.tda.trajectory.path or tda_dir / "trajectory",
+                                             projector_hash=self.capture.projector_hash if self.capture else None,
+                                             rank=_rank())
+        except BaseException:       # a refusal while starting: nothing opened stays open (the store's lock)
+            self._release_tda()
+            raise
+
+    def _release_tda(self) -> None:
+        """Close the store (its last window written), remove the hooks, close the selector and the
+        metrics file: whatever of them was opened."""
+        try:
+            if self.store is not None:
+                self.store.close()
+        finally:
+            if self.capture is not None:
+                self.capture.remove()
+            if self.selector is not None:
+                self.selector.close()
+            if self._metrics_file is not None:
+                self._metrics_file.close()
 
     def _with_basis(self, capture: CaptureConfig) -> CaptureConfig:
         """``capture`` with ``basis`` set to the run's eigenbasis file, estimated first if missing."""
@@ -234,6 +251,12 @@ class TDATrainer(Trainer):
         from ..training.selector import OnlineSelector, load_target
 
         data = self.cfg.data
+        masked = [key for key in ("label_mask_paths", "generate_attention_mask", "generate_doc_lengths",
+                                  "instance_filter") if getattr(data, key, None)]
+        if masked:      # a round scores the plain next-token loss of every position: not this run's loss
+            raise ConfigError(f"tda.selection does not apply data.{', data.'.join(masked)} (label or attention "
+                              "masks, document lengths, the instance filter): its scores would be of another "
+                              "loss than training's. Turn those off, or selection")
         if data.num_workers > 0 and data.persistent_workers:
             raise ConfigError("tda.selection needs data.persistent_workers: false (persistent workers keep "
                               "the old data order after a round rewrites it)")
@@ -323,6 +346,22 @@ class TDATrainer(Trainer):
             del mm
         if _world_size() > 1:
             dist.barrier()
+
+    def _rounds_up_to(self, epoch: int, step: int) -> list[dict]:
+        return [r for r in self.selector.log.rounds() if (r["epoch"], r["step"]) <= (epoch, step)]
+
+    def _check_selection_log(self, saved: dict[str, Any] | None) -> None:
+        """Refuse a resume whose checkpoint's run had applied more selection rounds by its step than
+        this run's log holds (a resume into another save_folder): its order could not be replayed,
+        and training would silently go on in the plain order."""
+        if not saved:
+            return
+        held = len(self._rounds_up_to(int(self.epoch or 0), self.global_step))
+        if held < int(saved.get("rounds", 0)):
+            raise ConfigError(f"tda.selection: the checkpoint's run had applied {saved['rounds']} selection rounds by "
+                              f"step {self.global_step} (logged in {saved.get('log')}), but this run's log "
+                              f"{self.selector.log.folder} holds {held}: the data order cannot be replayed. Resume "
+                              "in that run's save_folder, or copy its tda/selection folder here first")
 
     def _reapply_selection(self) -> None:
         """After a restore: forget rounds past the checkpoint and replay this epoch's rounds onto the
@@ -418,6 +457,9 @@ class TDATrainer(Trainer):
                             "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id}
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
+        if self.selector is not None:       # what a resume's log must hold to replay this step's order
+            state["tda_selection"] = {"log": str(self.selector.log.folder.resolve()),
+                                      "rounds": len(self._rounds_up_to(int(self.epoch or 0), self.global_step))}
         return _weights_only_safe(state)
 
     def restore_rng_state(self, rng_state: dict[str, Any]) -> None:
@@ -435,6 +477,8 @@ class TDATrainer(Trainer):
                               f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
         if self.store is not None:          # another run's store here: refused before anything is cut
             self.store.check_resume(saved, self.global_step)
+        if self.selector is not None:
+            self._check_selection_log(state_dict.get("tda_selection"))
         if self.trajectory is not None:     # drops the abandoned run's later checkpoints
             self.trajectory.resume(self.global_step, state_dict.get("tda_trajectory"))
         if self._metrics_file is not None:  # and its later steps' metrics, which will be re-run
@@ -478,15 +522,8 @@ class TDATrainer(Trainer):
         if wandb.run is not None:       # OLMo 0.6.0 calls finish(quiet=True), which wandb >= 0.19 rejects
             wandb.finish(exit_code=exit_code)
         try:
-            if self.store is not None:
-                self.store.close()
+            self._release_tda()
         finally:
-            if self.capture is not None:
-                self.capture.remove()
-            if self.selector is not None:
-                self.selector.close()
-            if self._metrics_file is not None:
-                self._metrics_file.close()
             super().close(exit_code)
 
 

@@ -96,6 +96,8 @@ def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch
     ``η⟨g_i, ḡ⟩ − c Σ_{j already in the slot} ⟨g_i, g_j⟩`` (two examples of one update interact
     through the update; examples of different updates are treated as independent). ``c``
     (``curvature``) defaults to η², GREATS' SGD step with an identity Hessian."""
+    if batch_size < 1:
+        raise SelectionError(f"greats: batch_size must be >= 1 (examples per update), got {batch_size}")
     c = lr_eff ** 2 if curvature is None else float(curvature)
     g = grads.double()
     align = lr_eff * (g @ target.double())
@@ -107,8 +109,9 @@ def greats_order(grads: torch.Tensor, target: torch.Tensor, lr_eff: float, batch
     while remaining.any():
         penalty = torch.zeros(len(g), dtype=torch.float64)
         for _ in range(min(batch_size, int(remaining.sum()))):
-            gain = torch.where(remaining, align - c * penalty, -torch.inf)
-            pick = int(torch.argmax(gain))
+            gain = torch.where(remaining, torch.nan_to_num(align - c * penalty, nan=-torch.inf), -torch.inf)
+            candidates = remaining.nonzero()[:, 0]      # only among the unplaced, whatever the gains are
+            pick = int(candidates[torch.argmax(gain[candidates])])
             order.append(pick)
             gains[pick] = float(gain[pick])
             remaining[pick] = False
@@ -172,6 +175,11 @@ def rewrite_order(order: np.ndarray, start: int, window_order: np.ndarray, keep:
     return out
 
 
+def _finite_mean(x: np.ndarray) -> float | None:
+    x = x[np.isfinite(x)]
+    return float(x.mean()) if len(x) else None
+
+
 def round_stats(ids: np.ndarray, order: np.ndarray, scores: np.ndarray, keep: int,
                 previous: dict[int, float] | None, sources: list[str] | None, bins: int = 20) -> dict:
     """Per-round statistics: score histogram, promoted vs demoted mean score, Spearman with the
@@ -188,8 +196,8 @@ def round_stats(ids: np.ndarray, order: np.ndarray, scores: np.ndarray, keep: in
     stats = {"examples_rescored": int(window),
              "score_mean": float(finite.mean()) if len(finite) else None,
              "score_hist": {"counts": counts.tolist(), "edges": edges.tolist()},
-             "promoted_mean_score": float(scores[moved_up].mean()) if moved_up.any() else None,
-             "demoted_mean_score": float(scores[moved_down].mean()) if moved_down.any() else None,
+             "promoted_mean_score": _finite_mean(scores[moved_up]),
+             "demoted_mean_score": _finite_mean(scores[moved_down]),    # an unscored (-inf) example left out
              "rank_corr_prev": None}
     if previous:
         common = [i for i, x in enumerate(ids) if int(x) in previous]

@@ -45,7 +45,7 @@ from torch import nn
 from ..capture import GradientCapture
 from ..capture.hooks import reduce_moments
 from ..config import CaptureConfig, ProjectionType, SelectionConfig, SelectionMode
-from .selection import POLICIES, SelectionLog, order_window, rewrite_order, round_stats
+from .selection import POLICIES, SelectionError, SelectionLog, order_window, rewrite_order, round_stats
 
 __all__ = ["OnlineSelector", "untouched_training_state", "load_target"]
 
@@ -159,6 +159,28 @@ def _dist() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _set_aside_nonfinite(grads: torch.Tensor | None, losses: np.ndarray | None, sample: np.ndarray, ids: np.ndarray,
+                         step: int) -> tuple[torch.Tensor | None, np.ndarray | None, np.ndarray]:
+    """Zero the measured rows whose gradient or loss is NaN/inf (one would make every score NaN: the
+    common direction and the mean norm are over all rows) and return the window positions they are
+    at, which the round places last; a warning names their ids."""
+    bad = np.zeros(len(sample), dtype=bool)
+    if grads is not None:
+        bad |= ~torch.isfinite(grads).all(dim=1).numpy()
+    if losses is not None:
+        bad |= ~np.isfinite(losses)
+    if not bad.any():
+        return grads, losses, np.zeros(0, dtype=np.int64)
+    log.warning("selection round after step %d: %d examples have a non-finite gradient or loss and go last in the "
+                "window: ids %s", step, int(bad.sum()), ids[sample[bad]][:16].tolist())
+    if grads is not None:
+        grads = grads.clone()
+        grads[torch.from_numpy(bad)] = 0
+    if losses is not None:
+        losses = np.where(bad, 0.0, losses)
+    return grads, losses, np.asarray(sample[bad], dtype=np.int64)
 
 
 def _my_rows(num: int, rank: int, world: int) -> tuple[np.ndarray, int]:
@@ -336,7 +358,12 @@ class OnlineSelector:
         perm = torch.zeros(len(ids), dtype=torch.int64)
         scores = torch.zeros(len(ids), dtype=torch.float64)
         compared = grads is not None and target is not None        # greats / alignment
+        broken = np.zeros(0, dtype=np.int64)      # window positions whose measurement is NaN/inf
         if self.rank == 0:
+            if target is not None and not bool(torch.isfinite(target).all()):
+                raise SelectionError(f"selection round after step {step}: the target gradient is not finite (the "
+                                     f"model diverged, or a target example has no finite loss): {cfg.target}")
+            grads, mean_losses, broken = _set_aside_nonfinite(grads, mean_losses, sample, ids, step)
             if cfg.remove_common and compared and len(grads) > 1:
                 # what every candidate does alike cannot tell them apart, yet its coefficient (which
                 # follows each example's loss, not its content) dominated the ranking
@@ -366,6 +393,10 @@ class OnlineSelector:
                 s = impute_rows(torch.as_tensor(np.asarray(s, dtype=np.float64))[:, None], sample, len(ids),
                                 groups)[:, 0].numpy()
                 p = np.argsort(-s, kind="stable")
+            if len(broken):                         # last, in their order: never promoted on a NaN score
+                s = np.asarray(s, dtype=np.float64).copy()
+                s[broken] = -np.inf
+                p = np.concatenate([p[~np.isin(p, broken)], broken])
             perm, scores = torch.from_numpy(p), torch.from_numpy(np.asarray(s, dtype=np.float64))
         if self.world > 1:          # rank 0 decides; every rank applies the same order
             for t in (perm, scores):
