@@ -280,3 +280,27 @@ def test_a_resume_refuses_another_runs_store_that_holds_rows(tmp_path, caplog):
         new.check_resume(theirs, 1)                                               # empty: continues, said
         assert f"stored its gradients in {tmp_path / 'theirs'}" in caplog.text
     new.close()
+
+
+def test_a_resume_on_fewer_ranks_cuts_the_departed_ranks_rows_too(tmp_path):
+    """A run of 2 ranks stored steps 1-4; resumed from step 2 on one rank, rank 1 has no writer to
+    cut its rows of steps 3-4: they stayed, and the resumed run's own rows at those (id, step) were
+    skipped as duplicates. cut_departed_ranks (both integrations call it after truncate_after)."""
+    from olmo_tda.integrations import cut_departed_ranks
+
+    path = tmp_path / "s"
+    for rank in (0, 1):
+        with GradientStore.create(path, worker.META, StoreConfig(flush_every=1), rank=rank) as w:
+            for step in range(1, 5):
+                w.append(worker.make_record(step, ids=worker.ids_at(step) + 1000 * rank))
+    resumed = GradientStore.create(path, worker.META, StoreConfig(flush_every=1), rank=0)
+    resumed.truncate_after(2)
+    assert resumed.departed_after(2, world_size=1) == [1] and resumed.departed_after(4, world_size=1) == []
+    cut_departed_ranks(resumed, 2)                          # no process group: a run of one rank
+    assert resumed.departed_after(2, world_size=1) == []
+    for step in (3, 4):                                      # the resumed run takes rank 1's examples too
+        resumed.append(worker.make_record(step, ids=np.concatenate([worker.ids_at(step), worker.ids_at(step) + 1000])))
+    resumed.close()
+    keys = keys_of(GradientStore.open(path))
+    assert len(keys) == len(set(keys)) == 8 * ROWS         # each (id, step) once: none skipped, none left over
+    assert GradientStore.open(path).stats["rows_truncated"] == 4 * ROWS

@@ -54,6 +54,7 @@ from ..capture.hooks import Recording, _in_backward
 from ..config import ConfigError, LossReduction, TDAConfig
 from ..store import GradientRecord, GradientStore
 from ..store.record import cat_rows
+from . import cut_departed_ranks
 
 __all__ = ["attach", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
 
@@ -349,6 +350,7 @@ class DeepSpeedTDA:
         dropped = self.store.truncate_after(step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, step)
+        cut_departed_ranks(self.store, step)     # resumed on fewer ranks: the others' later rows too
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
 
     def metrics(self) -> dict[str, float]:

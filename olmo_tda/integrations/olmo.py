@@ -58,6 +58,7 @@ from ..capture import GradientCapture
 from ..capture.eigenbasis import estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..store import GradientStore
+from . import cut_departed_ranks
 
 try:
     from olmo.config import CheckpointType, TrainConfig
@@ -490,6 +491,7 @@ class TDATrainer(Trainer):
         dropped = self.store.truncate_after(self.global_step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
+        cut_departed_ranks(self.store, self.global_step)     # resumed on fewer ranks: the others' later rows too
 
     def _cut_metrics(self, step: int) -> None:
         """Keep ``tda/metrics.jsonl``'s rows up to ``step`` (written to a temp file, then renamed)."""

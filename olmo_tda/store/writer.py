@@ -272,6 +272,40 @@ class StoreWriter:
             own = sum(info.num_rows for info in self._state.shards.values())
         return own + sum(info.num_rows for info in self._other_shards)
 
+    def departed_after(self, step: int, world_size: int) -> list[int]:
+        """Ranks ``>= world_size`` (of an earlier run with more ranks) holding rows after ``step``."""
+        return sorted({info.rank for info in self._other_shards if info.rank >= world_size and info.step_max > step})
+
+    def truncate_departed(self, step: int, world_size: int) -> int:
+        """Drop the rows after ``step`` of ranks ``>= world_size``: a run resumed on fewer ranks has
+        no writer of theirs to cut them back, and its own rows at those (id, step) would be skipped as
+        duplicates of the abandoned run's. Each such rank is truncated under its own lock, as its
+        writer would (one process calls this, e.g. rank 0; every rank then calls
+        :meth:`rescan_others`). Returns the rows dropped."""
+        self._check_open()
+        ranks = self.departed_after(step, world_size)
+        meta = {key: self.meta[key] for key in ("capture", "layers", "projector_hash", "extra") if key in self.meta}
+        dropped = 0
+        for rank in ranks:
+            with StoreWriter.create(self.path, meta, self._config, rank=rank) as departed:
+                dropped += departed.truncate_after(step)
+        if dropped:
+            logger.info("gradient store %s: dropped %d rows after step %d of ranks %s (not in this run)",
+                        self.path, dropped, step, ranks)
+        return dropped
+
+    def rescan_others(self) -> None:
+        """Read the other ranks' shards again (after :meth:`truncate_departed` changed them), so the
+        duplicate check sees what they hold now."""
+        self._check_open()
+        self._command("rescan")
+
+    def _rescan_others(self) -> None:
+        shapes = [stored_shape(layer) for layer in self.meta["layers"]]
+        states = scan_store(self.path, layer_shapes=shapes, dtype=self.dtype, own_rank=self.rank)
+        self._other_shards = [info for rank, st in states.items() if rank != self.rank for info in st.shards.values()]
+        self._rebuild_index()
+
     def check_resume(self, saved: dict[str, Any] | None, step: int) -> None:
         """Before a resume from a checkpoint at ``step`` cuts this store back: refuse one whose run
         wrote another store (``saved``: the checkpoint's ``{"store": path, "store_id": id}``) while
@@ -361,6 +395,8 @@ class StoreWriter:
             try:
                 if kind == "truncate":
                     result = self._truncate(arg)
+                elif kind == "rescan":
+                    result = self._rescan_others()
                 else:
                     result = self._write_window()
             except Exception as e:  # noqa: BLE001
