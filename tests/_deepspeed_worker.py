@@ -163,6 +163,10 @@ def run_case(case: dict, out: Path) -> None:
                 loss.backward()                   # torch-style backward, supported by ZeRO 1-3
             elif case["backward"] == "scale":
                 engine.scale(loss).backward()     # DeepSpeed's manual-backward form
+            elif case["backward"] == "scale_outside":      # the loss computed outside the module: DeepSpeed's
+                engine.scale(loss * 1.0).backward()        # 1/gas hook is then behind it, on the module output
+            elif case["backward"] == "engine_outside":
+                engine.backward(loss * 1.0)
             else:
                 engine.backward(loss)
             engine.step()

@@ -36,7 +36,10 @@ EXTRA = ["stage=3,gas=2,dtype=fp32,init=1",                    # zero.Init parti
          "stage=2,gas=2,dtype=fp32,nan_step=2,steps=3",         # overflow: the engine skips step 2
          "stage=1,gas=1,dtype=fp32,nan_step=1,steps=2"]
 AUTOCAST = ["stage=2,gas=2,dtype=autocast16",                 # fp16 autocast: a 2^16 loss scale to undo
-            "stage=1,gas=2,dtype=autocast16,backward=scale"]
+            "stage=1,gas=2,dtype=autocast16,backward=scale",
+            "stage=2,gas=2,dtype=autocast16,backward=scale_outside",
+            "stage=2,gas=2,dtype=fp32,backward=scale_outside",
+            "stage=1,gas=2,dtype=autocast16,backward=engine_outside"]
 RANKED = ["stage=3,gas=2,dtype=fp32,init=1,rank=3"]               # LoRIF factors (12 tokens > c: truncated)
 EMB = ["stage=3,gas=2,dtype=fp32,init=1,emb=1",                 # capture.embeddings on a partitioned table
        "stage=3,gas=2,dtype=fp32,init=1,emb=2"]                  # ... whose head is tied to it
@@ -153,11 +156,13 @@ def test_deepspeed_zero_overflow_step_is_dropped(runs, text):
     check_against_torch_func(root, case, 1e-4)   # also: the skipped step has no rows at all
 
 
-def test_deepspeed_zero_store_metadata_and_per_row_loss_scale(runs):
-    """Rows carry the divisor that was undone: counted labels of the micro-batch × GAS."""
-    case = worker.parse_case("stage=2,gas=2,dtype=fp32")
+@pytest.mark.parametrize("text", ["stage=2,gas=2,dtype=fp32", *AUTOCAST])
+def test_deepspeed_zero_store_metadata_and_per_row_loss_scale(runs, text):
+    """Rows carry the divisor the loop applied: counted labels of the micro-batch × GAS, never the
+    fp16 loss scale (TracIn weights rows by lr / loss_scale; the optimizer unscales before its step)."""
+    case = worker.parse_case(text)
     store, block = stored_rows(runs / worker.case_name(case))
-    assert store.meta["extra"]["framework"] == "deepspeed" and store.meta["extra"]["zero_stage"] == 2
+    assert store.meta["extra"]["framework"] == "deepspeed" and store.meta["extra"]["zero_stage"] == case["stage"]
     assert {s.rank for s in store.shards} == {0, 1}
     _, labels = worker.tokens()
     for step in (1, 2):

@@ -602,4 +602,9 @@ def test_an_example_with_a_nonfinite_gradient_goes_last_and_the_round_still_rank
     assert sum(hist["counts"]) == 11 and np.isfinite(hist["edges"]).all()    # the 11 scored ones
     with pytest.raises(SelectionError, match="batch_size must be >= 1"):
         greats_order(torch.randn(4, 3), torch.randn(3), 0.1, 0)
+    if policy != "loss":                                    # a NaN target: the round (on every rank) refuses
+        sel._target_gradient = lambda: torch.full((sel.capture.floats_per_example,), float("nan"))
+        with pytest.raises(SelectionError, match="the target gradient is not finite"):
+            sel.run(step=2, epoch=0, order=new, start=6, fetch=lambda ids: data[ids], lr=0.1, tokens_per_batch=48,
+                    batch_size=4)
     sel.close()

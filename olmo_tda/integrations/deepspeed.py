@@ -122,8 +122,9 @@ class DeepSpeedTDA:
         self._explicit: tuple[Any, float] | None = None
         self._open: contextlib.ExitStack | None = None
         self._open_rec: Recording | None = None
-        # record -> the gradient that reached its loss (a record dropped unstepped leaves with its entry)
-        self._loss_grads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # record -> what measures the factor DeepSpeed put on its loss (a record dropped unstepped
+        # leaves with its entry)
+        self._loss_factors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._pending: list[Recording] = []
         self._handles: list[Any] = []
         self._owns_capture = capture is None
@@ -227,39 +228,51 @@ class DeepSpeedTDA:
     # -- engine method wrappers --------------------------------------------------------------------
 
     def _backward(self, *args: Any, **kwargs: Any) -> Any:
-        orig = type(self.engine).backward
-        if self._open_rec is not None:       # engine.backward(loss, retain_graph=False, scale_wrt_gas=True)
-            self._measure_loss_factor(self._open_rec, args[0] if args else kwargs.get("loss"))
-        return orig(self.engine, *args, **kwargs)
+        rec = self._open_rec
+        loss = args[0] if args else kwargs.get("loss")   # engine.backward(loss, retain_graph, scale_wrt_gas)
+        if rec is not None and isinstance(loss, torch.Tensor) and loss.requires_grad:
+            # engine.backward backpropagates loss·g·S: g = 1/gas (unless scale_wrt_gas=False), S the
+            # loss scale of whichever scaler is on. The gradient reaching `loss` is g·S, measured by a
+            # hook (no device sync before the step): it follows each DeepSpeed version's own branches
+            wrt_gas = args[2] if len(args) > 2 else kwargs.get("scale_wrt_gas", True)
+            gas_part = 1.0 / self._gas() if wrt_gas else 1.0
+
+            def keep(grad: torch.Tensor) -> None:
+                self._loss_factors[rec] = (grad.detach(), None, gas_part)
+            loss.register_hook(keep)
+        return type(self.engine).backward(self.engine, *args, **kwargs)
 
     def _scale(self, loss: Any) -> Any:
-        """``engine.scale(loss).backward()``: the manual-backward form of fp16 loss scaling."""
-        if self._open_rec is not None:
-            self._measure_loss_factor(self._open_rec, loss)
-        return type(self.engine).scale(self.engine, loss)
+        """``engine.scale(loss).backward()``: the manual-backward form of fp16 loss scaling. DeepSpeed
+        divides by gas through hooks on the module's outputs (wherever the loss is computed from them);
+        the scale S is read off the scaled loss."""
+        scaled = type(self.engine).scale(self.engine, loss)
+        if self._open_rec is not None and isinstance(loss, torch.Tensor):
+            self._loss_factors[self._open_rec] = (scaled.detach(), loss.detach(), 1.0 / self._gas())
+        return scaled
 
-    def _measure_loss_factor(self, rec: Recording, loss: Any) -> None:
-        """Keep the gradient that reaches ``loss`` in its backward: the factor between ``loss`` and
-        what the captured gradients are of, whatever DeepSpeed applied (``1/gas`` unless
-        ``scale_wrt_gas=False``, the fp16 or torch-autocast loss scale of any optimizer, a custom
-        scaler). Reading it instead of DeepSpeed's settings follows each version's own branches;
-        it is read (a device sync) only at the step. A direct ``loss.backward()`` has no factor
-        to measure: its rows keep ``divisor × gas`` (DeepSpeed divides it by gas, and refuses fp16)."""
-        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
-            return
-
-        def keep(grad: torch.Tensor) -> None:
-            self._loss_grads[rec] = grad.detach()
-        loss.register_hook(keep)
-
-    def _undo_loss_factor(self, rec: Recording) -> None:
-        """Set ``rec.loss_scale`` to the divisor over the measured factor (it was ``divisor × gas``)."""
-        grad = self._loss_grads.pop(rec, None)
-        if grad is None:
-            return
-        factor = float(grad.float().reshape(-1)[0])
-        if math.isfinite(factor) and factor > 0:
-            rec.loss_scale = rec.loss_scale / self._gas() / factor
+    def _undo_loss_factor(self, rec: Recording) -> float:
+        """Undo what DeepSpeed multiplied the loss by, at the step: the rows are de-scaled by
+        ``divisor / (g·S)`` (``rec.loss_scale``, opened as ``divisor × gas``), and the returned
+        ``divisor / g`` is what the store keeps as the row's ``loss_scale`` (TracIn weights rows by
+        ``lr / loss_scale``; the optimizer unscales S before its step, so S is not part of it). A
+        direct ``loss.backward()`` has nothing to measure: DeepSpeed divides by gas (and refuses fp16)."""
+        divisor_gas = rec.loss_scale
+        measured = self._loss_factors.pop(rec, None)
+        if measured is None:
+            return divisor_gas
+        first, second, gas_part = measured
+        value = float(first.float().reshape(-1)[0])
+        if second is None:                      # the gradient that reached the loss: g·S
+            scale = value / gas_part
+        else:                                   # scaled loss / loss: S
+            base = float(second.float().reshape(-1)[0])
+            scale = value / base if base != 0 else 1.0
+        if not (math.isfinite(scale) and scale > 0):
+            scale = 1.0                         # an overflowed step: the engine skips it anyway
+        stored = divisor_gas / self._gas() / gas_part
+        rec.loss_scale = stored / scale
+        return stored
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
@@ -287,10 +300,9 @@ class DeepSpeedTDA:
     def _commit(self, records: list[Recording], step: int, lr: float) -> None:
         if not records:
             return
-        for r in records:
-            self._undo_loss_factor(r)
+        kept = [self._undo_loss_factor(r) for r in records]      # before the rows are de-scaled
         ids = np.concatenate([r.ids for r in records])
-        scales = np.concatenate([np.full(len(r.ids), r.loss_scale) for r in records])
+        scales = np.concatenate([np.full(len(r.ids), scale) for r, scale in zip(records, kept)])
         parts = [r.stored() for r in records]          # dense, or LoRIF factors with capture.rank
         grads = {name: cat_rows([p[name] for p in parts]) if len(parts) > 1 else parts[0][name]
                  for name in parts[0]}

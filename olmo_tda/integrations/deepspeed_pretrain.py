@@ -343,6 +343,9 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     if (ckpt / "latest").exists():
         try:
             engine.load_checkpoint(str(ckpt))      # tda resumes its store from the checkpoint too
+        except (ConfigError, StoreError):
+            session.close()                          # tda's own refusals name their remedy
+            raise
         except (RuntimeError, KeyError, ValueError, OSError) as e:
             session.close()
             raise ConfigError(f"run_dir: cannot resume from the checkpoint in {ckpt}: {type(e).__name__}: "

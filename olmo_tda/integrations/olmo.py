@@ -187,7 +187,10 @@ class TDATrainer(Trainer):
                                              projector_hash=self.capture.projector_hash if self.capture else None,
                                              rank=_rank())
         except BaseException:       # a refusal while starting: nothing opened stays open (the store's lock)
-            self._release_tda()
+            try:
+                self._release_tda()
+            except Exception:  # noqa: BLE001 - the refusal is the error to report
+                log.exception("tda: releasing what was opened before the error below failed")
             raise
 
     def _release_tda(self) -> None:
@@ -499,18 +502,17 @@ class TDATrainer(Trainer):
 
         path = Path(self._metrics_file.name)
         self._metrics_file.close()
+        tmp = path.with_name(path.name + ".tmp")
         try:
             kept = [row for row in read_metrics(path) if row["step"] <= step]
-        except ValueError as e:     # a damaged local copy must not stop the run: W&B has the metrics too
-            log.warning("tda: %s; left as it is (steps past %d stay in it)", e, step)
-            self._metrics_file = open(path, "a", buffering=1)
-            return
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except (ValueError, OSError) as e:   # a damaged local copy must not stop the run: W&B has them too
+            log.warning("tda: %s: %s; left as it is (steps past %d stay in it)", path, e, step)
+            tmp.unlink(missing_ok=True)
         self._metrics_file = open(path, "a", buffering=1)
 
     def save_checkpoint(self, checkpoint_type: CheckpointType = CheckpointType.sharded):

@@ -266,11 +266,12 @@ class StoreWriter:
         """The id ``store.json`` was created with (None for a store made before ids existed)."""
         return self.meta.get("store_id")
 
-    def held_rows(self) -> int:
-        """Rows in the store's shards, every rank's (other ranks' as of this writer's open)."""
+    def held_rows(self, up_to: int | None = None) -> int:
+        """Rows in the store's shards, every rank's (other ranks' as of this writer's open); with
+        ``up_to``, of the shards holding a step ``<= up_to`` (all of such a shard's rows)."""
         with self._mutex:
-            own = sum(info.num_rows for info in self._state.shards.values())
-        return own + sum(info.num_rows for info in self._other_shards)
+            shards = [*self._state.shards.values(), *self._other_shards]
+        return sum(info.num_rows for info in shards if up_to is None or info.step_min <= up_to)
 
     def departed_after(self, step: int, world_size: int) -> list[int]:
         """Ranks ``>= world_size`` (of an earlier run with more ranks) holding rows after ``step``."""
@@ -309,7 +310,8 @@ class StoreWriter:
     def check_resume(self, saved: dict[str, Any] | None, step: int) -> None:
         """Before a resume from a checkpoint at ``step`` cuts this store back: refuse one whose run
         wrote another store (``saved``: the checkpoint's ``{"store": path, "store_id": id}``) while
-        this one holds rows, since continuing would mix two runs' rows here. A store moved since
+        this one holds rows up to ``step``, since continuing would mix two runs' rows here (rows after
+        it, of this run's own earlier try, are cut by the resume). A store moved since
         (same id) or a new, empty one continues; without ids (older stores) paths are compared and a
         difference is only warned about."""
         saved = saved or {}
@@ -318,7 +320,7 @@ class StoreWriter:
         if theirs_id and self.store_id:
             if theirs_id == self.store_id:
                 return
-            rows = self.held_rows()
+            rows = self.held_rows(up_to=step)    # rows after the step are cut by the resume anyway
             if rows:
                 raise StoreMismatchError(
                     f"resuming a checkpoint of step {step} whose run wrote the gradient store {theirs_id} (at "

@@ -359,10 +359,10 @@ class OnlineSelector:
         scores = torch.zeros(len(ids), dtype=torch.float64)
         compared = grads is not None and target is not None        # greats / alignment
         broken = np.zeros(0, dtype=np.int64)      # window positions whose measurement is NaN/inf
+        if target is not None and not bool(torch.isfinite(target).all()):   # all-reduced: every rank raises
+            raise SelectionError(f"selection round after step {step}: the target gradient is not finite (the "
+                                 f"model diverged, or a target example has no finite loss): {cfg.target}")
         if self.rank == 0:
-            if target is not None and not bool(torch.isfinite(target).all()):
-                raise SelectionError(f"selection round after step {step}: the target gradient is not finite (the "
-                                     f"model diverged, or a target example has no finite loss): {cfg.target}")
             grads, mean_losses, broken = _set_aside_nonfinite(grads, mean_losses, sample, ids, step)
             if cfg.remove_common and compared and len(grads) > 1:
                 # what every candidate does alike cannot tell them apart, yet its coefficient (which
