@@ -267,6 +267,7 @@ def test_a_resume_refuses_another_runs_store_that_holds_rows(tmp_path, caplog):
     ours.check_resume(theirs, 0)      # its rows are all after the step: this run's earlier try, cut on resume
     ours.check_resume({"store": "/moved/from/here", "store_id": ours.store_id}, 1)   # the same store, moved
     with caplog.at_level("WARNING"):
+        caplog.clear()
         ours.check_resume({"store": str(tmp_path / "ours")}, 1)                   # no id, same path: silent
         assert not caplog.records
         ours.check_resume({"store": str(tmp_path / "theirs")}, 1)                 # no id, another path
