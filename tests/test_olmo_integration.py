@@ -286,14 +286,15 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
     # resuming this run's checkpoint into another folder, with its own store: said, not silent
     other = [a.replace(str(run), str(data_dir / "run_reuse_other")).replace("store_elsewhere", "store_other")
              .replace("--max_duration=8", "--max_duration=9").replace("--stop_at=8", "--stop_at=9") for a in more]
-    done = _train(other + [f"--load_path={run / 'step8-unsharded'}", "--optimizer.learning_rate=0.03"], cwd=tmp_path)
+    done = _train(other + [f"--load_path={run / 'step6-unsharded'}", "--optimizer.learning_rate=0.03"], cwd=tmp_path)
     assert done.returncode == 0 and "whose run stored its gradients in" in done.stdout + done.stderr
-    # again, now that that store holds the step it ran: refused, as it would mix two runs' rows there
+    # that store now holds steps 7-9 of its own: resuming the first run's step 8 there is refused (its
+    # rows of steps 7-8 would stay beside the first run's history); rows only after the step would be cut
     held, _ = stored(tmp_path / "store_other")
     mixed = _train(other + [f"--load_path={run / 'step8-unsharded'}", "--optimizer.learning_rate=0.03"],
                    cwd=tmp_path)
     assert mixed.returncode != 0 and "continuing would mix the two runs' rows" in mixed.stdout + mixed.stderr
-    assert stored(tmp_path / "store_other")[0] == held and {s for s, _ in held} == {9}
+    assert stored(tmp_path / "store_other")[0] == held and {s for s, _ in held} == {7, 8, 9}
 
 
 def test_a_failing_rank_ends_the_job_with_its_own_error(data_dir):
