@@ -251,28 +251,35 @@ class DeepSpeedTDA:
             self._loss_factors[self._open_rec] = (scaled.detach(), loss.detach(), 1.0 / self._gas())
         return scaled
 
-    def _undo_loss_factor(self, rec: Recording) -> float:
-        """Undo what DeepSpeed multiplied the loss by, at the step: the rows are de-scaled by
+    def _undo_loss_factors(self, records: list[Recording]) -> list[float]:
+        """Undo what DeepSpeed multiplied each record's loss by, at the step: the rows are de-scaled by
         ``divisor / (g·S)`` (``rec.loss_scale``, opened as ``divisor × gas``), and the returned
         ``divisor / g`` is what the store keeps as the row's ``loss_scale`` (TracIn weights rows by
         ``lr / loss_scale``; the optimizer unscales S before its step, so S is not part of it). A
-        direct ``loss.backward()`` has nothing to measure: DeepSpeed divides by gas (and refuses fp16)."""
-        divisor_gas = rec.loss_scale
-        measured = self._loss_factors.pop(rec, None)
-        if measured is None:
-            return divisor_gas
-        first, second, gas_part = measured
-        value = float(first.float().reshape(-1)[0])
-        if second is None:                      # the gradient that reached the loss: g·S
-            scale = value / gas_part
-        else:                                   # scaled loss / loss: S
-            base = float(second.float().reshape(-1)[0])
-            scale = value / base if base != 0 else 1.0
-        if not (math.isfinite(scale) and scale > 0):
-            scale = 1.0                         # an overflowed step: the engine skips it anyway
-        stored = divisor_gas / self._gas() / gas_part
-        rec.loss_scale = stored / scale
-        return stored
+        direct ``loss.backward()`` has nothing to measure: DeepSpeed divides by gas (and refuses fp16).
+        Every measured value of the step is read in one device transfer."""
+        measured = [self._loss_factors.pop(rec, None) for rec in records]
+        tensors = [t for m in measured if m is not None for t in m[:2] if t is not None]
+        values = iter(torch.stack([t.float().reshape(-1)[0] for t in tensors]).tolist() if tensors else [])
+        kept = []
+        for rec, m in zip(records, measured):
+            divisor_gas = rec.loss_scale
+            if m is None:
+                kept.append(divisor_gas)
+                continue
+            first, second, gas_part = m
+            value = next(values)
+            if second is None:                  # the gradient that reached the loss: g·S
+                scale = value / gas_part
+            else:                               # scaled loss / loss: S
+                base = next(values)
+                scale = value / base if base != 0 else 1.0
+            if not (math.isfinite(scale) and scale > 0):
+                scale = 1.0                     # an overflowed step: the engine skips it anyway
+            stored = divisor_gas / self._gas() / gas_part
+            rec.loss_scale = stored / scale
+            kept.append(stored)
+        return kept
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
@@ -300,7 +307,7 @@ class DeepSpeedTDA:
     def _commit(self, records: list[Recording], step: int, lr: float) -> None:
         if not records:
             return
-        kept = [self._undo_loss_factor(r) for r in records]      # before the rows are de-scaled
+        kept = self._undo_loss_factors(records)      # before the rows are de-scaled
         ids = np.concatenate([r.ids for r in records])
         scales = np.concatenate([np.full(len(r.ids), scale) for r, scale in zip(records, kept)])
         parts = [r.stored() for r in records]          # dense, or LoRIF factors with capture.rank

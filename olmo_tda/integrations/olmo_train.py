@@ -5,7 +5,6 @@ FSDP; a single process works without ``torchrun`` (a one-rank gloo group is made
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -371,11 +370,13 @@ def _old_tda_outputs(folder: Path) -> list[Path]:
 
 def _store_id(path: Path) -> str | None:
     """The id in a store's ``store.json`` (None: unreadable, or made before stores had ids)."""
+    from ..store.errors import StoreError
+    from ..store.meta import load_store_json
+
     try:
-        meta = json.loads((path / STORE_JSON).read_text())
-    except (OSError, ValueError):
+        return load_store_json(path).get("store_id")
+    except StoreError:
         return None
-    return meta.get("store_id") if isinstance(meta, dict) else None
 
 
 def _remove(path: Path, *, through_link: bool = False) -> None:

@@ -96,6 +96,12 @@ class GradientStore:
         self._states = states
         self._key_summary: tuple[int, np.ndarray] | None = None
 
+    @functools.cached_property
+    def _datasets(self) -> tuple[dict[str, tuple[str, tuple[int, ...]]], np.dtype]:
+        """What ``store.json`` says every shard holds (see :class:`_Expected`), built once, not per shard."""
+        grads = {f"grads/L{i:04d}": (layer["name"], stored_shape(layer)) for i, layer in enumerate(self.meta["layers"])}
+        return grads, np.dtype(disk_dtype(self.dtype))
+
     # -- constructors -----------------------------------------------------------------------------
 
     @classmethod
@@ -395,10 +401,8 @@ class _Expected:
 
     @staticmethod
     def of(store: GradientStore, info: ShardInfo) -> "_Expected":
-        grads = {f"grads/L{i:04d}": (layer["name"], stored_shape(layer))
-                 for i, layer in enumerate(store.meta["layers"])}
-        return _Expected(info, manifest_path(store.path, info.rank), store.path / STORE_JSON, grads,
-                         np.dtype(disk_dtype(store.dtype)))
+        grads, words = store._datasets
+        return _Expected(info, manifest_path(store.path, info.rank), store.path / STORE_JSON, grads, words)
 
 
 class _ShardReader:
