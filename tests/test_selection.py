@@ -608,3 +608,99 @@ def test_an_example_with_a_nonfinite_gradient_goes_last_and_the_round_still_rank
             sel.run(step=2, epoch=0, order=new, start=6, fetch=lambda ids: data[ids], lr=0.1, tokens_per_batch=48,
                     batch_size=4)
     sel.close()
+
+
+@pytest.mark.parametrize("policy", ["greats", "alignment"])
+def test_a_set_aside_example_counts_in_no_window_mean(tmp_path, policy):
+    """A measured example whose gradient overflows is zeroed and placed last; it must not count as a
+    zero in the common direction, the mean norm or its source's mean that stands in for the
+    unmeasured: the rest are ranked as if it had not been measured (exact torch.func ground truth)."""
+    torch.manual_seed(0)
+    model = tiny_olmo()
+    data, target = _tokens(16), _tokens(4, seed=1)
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy=policy, target=str(tmp_path / "target.txt"),
+                          proj_dim=0, target_examples=4, micro_batch=4, precondition=False, measure=7)
+    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
+                         target_tokens=target)
+    label = {i: "abc"[i % 3] if i < 10 else "c" for i in range(16)}
+    real, fetched = sel._measure_window, []
+
+    def overflowed(ids, fetch):                 # the second measured example overflows
+        fetched.extend(ids.tolist())
+        grads, losses, length = real(ids, fetch)
+        grads[1, 0] = float("inf")
+        return grads, losses, length
+    sel._measure_window = overflowed
+    new, _ = sel.run(step=1, epoch=0, order=np.arange(16), start=2, fetch=lambda ids: data[ids], lr=0.1,
+                     tokens_per_batch=48, batch_size=4, sources=lambda ids: [label[int(i)] for i in ids])
+    window = np.arange(2, 14)
+    groups = [label[int(i)] for i in window]
+    measured = np.asarray(fetched) - 2
+    bad, good = measured[1], np.delete(measured, 1)
+    model.eval()
+    names = list(sel.capture.modules)
+    exact, exact_t = exact_per_example_grads(model, data[window]), exact_per_example_grads(model, target)
+    g = torch.cat([exact[f"{n}.weight"].reshape(12, -1) for n in names], dim=1).double()
+    t = torch.cat([exact_t[f"{n}.weight"].reshape(4, -1) for n in names], dim=1).double().sum(0) / (4 * 11)
+    m = g[good]                                  # the means are over the good measured rows only
+    mean = m.mean(0)
+    m = m - torch.outer(m @ mean, mean) / mean.dot(mean)
+    m = m * m.norm(dim=1, keepdim=True).mean() / m.norm(dim=1, keepdim=True)
+    row = {int(i): m[k] for k, i in enumerate(good)}
+    by_source = {s: [k for k, i in enumerate(good) if groups[i] == s] for s in "abc"}
+    eta = 0.1 / 48
+    if policy == "greats":
+        rows = torch.stack([torch.zeros_like(m[0]) if i == bad else row[i] if i in row
+                            else m[by_source[groups[i]]].mean(0) for i in range(12)])
+        want, full = greats_order(rows, t, eta, 4, curvature=eta ** 2)
+    else:
+        score = (m @ t).numpy()
+        full = np.array([score[list(good).index(i)] if i in good else score[by_source[groups[i]]].mean()
+                         for i in range(12)])
+        want = np.argsort(-full, kind="stable")
+    want = np.concatenate([want[want != bad], [bad]])
+    assert np.array_equal(new[2:14], 2 + want)
+    logged = sel.log.previous_scores(0, 2)             # what the round scored, by id
+    assert logged[2 + bad] == -np.inf
+    got = np.array([logged[2 + i] for i in range(12) if i != bad])
+    np.testing.assert_allclose(got, np.delete(full, bad), rtol=1e-4, atol=1e-6 * np.abs(full).max())
+    sel.close()
+
+
+def test_rank_corr_prev_survives_a_resume(tmp_path):
+    """The first round after a resume compares its scores with the last logged round's, read from
+    the log's scores file, exactly as the uninterrupted run did in memory; a truncated round's scores
+    file goes with it."""
+    model = tiny_olmo()
+    data, target = _tokens(24), _tokens(4, seed=1)
+    (tmp_path / "target.txt").write_text("t\n")
+    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy="alignment",
+                          target=str(tmp_path / "target.txt"), proj_dim=16, target_examples=4, micro_batch=6)
+
+    def selector(folder):
+        return OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=folder,
+                              target_tokens=target)
+
+    def two_rounds(sel, resume_between=False):
+        kw = dict(epoch=0, fetch=lambda ids: data[ids], lr=0.1, tokens_per_batch=48, batch_size=4)
+        order, first = sel.run(step=1, order=np.arange(24), start=2, **kw)
+        if resume_between:
+            sel.close()
+            sel = selector(sel.log.folder)      # a new process: nothing in memory
+            assert sel.log.truncate_after(0, 1) == 0
+        _, second = sel.run(step=2, order=order, start=6, **kw)
+        sel.close()
+        return first, second
+
+    first, straight = two_rounds(selector(tmp_path / "a"))
+    assert first["rank_corr_prev"] is None and straight["rank_corr_prev"] is not None
+    assert straight["rank_corr_common"] == 8                    # window positions 6..13 were scored twice
+    _, resumed = two_rounds(selector(tmp_path / "b"), resume_between=True)
+    assert resumed["rank_corr_prev"] == pytest.approx(straight["rank_corr_prev"], abs=1e-12)
+    log = SelectionLog(tmp_path / "b")
+    scores = sorted(p.name for p in (tmp_path / "b").glob("*.scores.npy"))
+    assert scores == [r["scores_file"] for r in log.rounds()] and len(scores) == 2
+    assert log.truncate_after(0, 1) == 1 and len(list((tmp_path / "b").glob("*.scores.npy"))) == 1
+    (tmp_path / "b" / scores[0]).write_bytes(b"junk")       # a damaged scores file loses only the statistic
+    assert log.previous_scores(0, 2) is None

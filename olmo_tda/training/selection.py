@@ -13,8 +13,8 @@ Legend: W examples in the window, D the concatenated projected-gradient width, G
 - :func:`rewrite_order` applies a round to the epoch's global order: positions before ``start``
   (already consumed) never change; ``reorder`` permutes the window in place; ``filter`` keeps the top
   ``keep_fraction`` there and moves the rest to the end of the epoch.
-- :class:`SelectionLog` persists rounds (``rounds.jsonl`` + the window's new id order per round in
-  ``.npy``) before they take effect; :meth:`SelectionLog.replay` rebuilds an epoch's order from the
+- :class:`SelectionLog` persists rounds (``rounds.jsonl`` + the window's new id order and its scores
+  per round in ``.npy``) before they take effect; :meth:`SelectionLog.replay` rebuilds an epoch's order from the
   framework's base order, :meth:`SelectionLog.truncate_after` forgets rounds a resume will re-run.
 
 Example::
@@ -266,24 +266,58 @@ class SelectionLog:
     def _order_file(self, epoch: int, step: int) -> Path:
         return self.folder / f"round-e{epoch:04d}-s{step:010d}.npy"
 
-    def append(self, *, epoch: int, step: int, start: int, keep: int, window_ids: np.ndarray, stats: dict) -> None:
-        if not self.writer:
-            return
-        path = self._order_file(epoch, step)
-        tmp = path.with_suffix(".tmp.npy")
+    def _scores_file(self, epoch: int, step: int) -> Path:
+        return self.folder / f"round-e{epoch:04d}-s{step:010d}.scores.npy"
+
+    @staticmethod
+    def _save_npy(path: Path, array: np.ndarray) -> None:
+        tmp = path.with_name(path.name[:-len(".npy")] + ".tmp.npy")
         with open(tmp, "wb") as f:
-            np.save(f, np.asarray(window_ids, dtype=np.int64))
+            np.save(f, array)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(self.folder)        # the order file is on disk before the line that points at it
+
+    def append(self, *, epoch: int, step: int, start: int, keep: int, window_ids: np.ndarray, stats: dict,
+               scores: np.ndarray | None = None) -> None:
+        """Log one round: ``window_ids`` the window's new order; ``scores`` (optional, aligned with
+        ``window_ids``) what the round scored them, read back by :meth:`previous_scores` after a resume."""
+        if not self.writer:
+            return
+        path = self._order_file(epoch, step)
+        self._save_npy(path, np.asarray(window_ids, dtype=np.int64))
+        record = {"epoch": epoch, "step": step, "start": int(start), "keep": int(keep),
+                  "window": int(len(window_ids)), "file": path.name}
+        if scores is not None:
+            if len(scores) != len(window_ids):
+                raise ValueError(f"{len(scores)} scores for a window of {len(window_ids)}")
+            scores_path = self._scores_file(epoch, step)
+            self._save_npy(scores_path, np.asarray(scores, dtype=np.float64))
+            record["scores_file"] = scores_path.name
+        fsync_dir(self.folder)        # the round's files are on disk before the line that points at them
         self._mend_tail()
-        line = json.dumps({"epoch": epoch, "step": step, "start": int(start), "keep": int(keep),
-                           "window": int(len(window_ids)), "file": path.name, **stats})
+        line = json.dumps({**record, **stats})
         with open(self.index_file, "a") as f:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def previous_scores(self, epoch: int, step: int) -> dict[int, float] | None:
+        """``{id: score}`` of the last logged round before (epoch, step), or None when there is none or
+        it kept no scores (a log from before scores were kept, or a damaged scores file: only the
+        ``rank_corr_prev`` statistic needs them)."""
+        earlier = [r for r in self.rounds() if (r["epoch"], r["step"]) < (epoch, step)]
+        if not earlier or "scores_file" not in earlier[-1]:
+            return None
+        last = earlier[-1]
+        try:
+            ids = np.load(self.folder / last["file"], allow_pickle=False)
+            scores = np.load(self.folder / last["scores_file"], allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        if ids.shape != scores.shape or ids.ndim != 1:
+            return None
+        return dict(zip(ids.tolist(), scores.astype(np.float64).tolist()))
 
     def replay(self, base_order: np.ndarray, epoch: int, upto_step: int) -> tuple[np.ndarray, int]:
         """``(order, rounds applied)``: ``base_order`` with the logged rounds of ``epoch`` up to
@@ -323,6 +357,8 @@ class SelectionLog:
         for r in rounds:
             if (r["epoch"], r["step"]) > (epoch, step):
                 (self.folder / r["file"]).unlink(missing_ok=True)
+                if "scores_file" in r:
+                    (self.folder / r["scores_file"]).unlink(missing_ok=True)
         return len(rounds) - len(keep)
 
 

@@ -364,14 +364,18 @@ class OnlineSelector:
                                  f"model diverged, or a target example has no finite loss): {cfg.target}")
         if self.rank == 0:
             grads, mean_losses, broken = _set_aside_nonfinite(grads, mean_losses, sample, ids, step)
-            if cfg.remove_common and compared and len(grads) > 1:
+            # the measured rows that count in window-wide means (the common direction, the mean norm,
+            # a source's mean for the unmeasured): a set-aside row is zeros, not a measurement
+            ok = ~np.isin(sample, broken)
+            if cfg.remove_common and compared and int(ok.sum()) > 1:
                 # what every candidate does alike cannot tell them apart, yet its coefficient (which
                 # follows each example's loss, not its content) dominated the ranking
-                grads = remove_common_direction(grads)
+                grads = remove_common_direction(grads, rows=torch.from_numpy(ok))
             if cfg.normalize and compared:
                 # unit length per example, keeping the summed-token scale of the batch's update
                 norms = grads.double().norm(dim=1, keepdim=True)
-                grads = (grads.double() * (norms.mean() / norms.clamp_min(1e-30))).float()
+                mean_norm = norms[torch.from_numpy(ok)].mean() if ok.any() else norms.mean()
+                grads = (grads.double() * (mean_norm / norms.clamp_min(1e-30))).float()
             lr_eff = lr / max(tokens_per_batch, 1)
             # GREATS' second-order term ½Δθᵀ H Δθ of the step Δθ = η Σ g_i (g_i = P·g_i when
             # preconditioned): H = I for plain gradients (the paper's SGD form), H = h·I with h the mean
@@ -385,13 +389,13 @@ class OnlineSelector:
             elif cfg.policy.value == "greats":
                 # the unmeasured stand in as their source's mean measured gradient: the expected
                 # alignment, and the redundancy of picking more of that source
-                p, s = order_window("greats", grads=impute_rows(grads, sample, len(ids), groups), target=target,
-                                    num=len(ids), **kw)
+                p, s = order_window("greats", grads=impute_rows(grads, sample, len(ids), groups, ok=ok),
+                                    target=target, num=len(ids), **kw)
             else:       # a per-example score: each unmeasured example gets its source's mean score
                 _, s = order_window(cfg.policy.value, grads=grads, target=target, losses=mean_losses,
                                     num=len(sample), **kw)
                 s = impute_rows(torch.as_tensor(np.asarray(s, dtype=np.float64))[:, None], sample, len(ids),
-                                groups)[:, 0].numpy()
+                                groups, ok=ok)[:, 0].numpy()
                 p = np.argsort(-s, kind="stable")
             if len(broken):                         # last, in their order: never promoted on a NaN score
                 s = np.asarray(s, dtype=np.float64).copy()
@@ -409,6 +413,8 @@ class OnlineSelector:
         if keep < len(ids):         # filter: the kept examples keep their relative order (batches stay mixed)
             placed = np.concatenate([np.sort(perm_np[:keep]), perm_np[keep:]])
         new_order = rewrite_order(np.asarray(order, dtype=np.int64), start, ids[placed], keep)
+        if self._prev_scores is None and self.log.writer:      # after a resume: the last logged round's
+            self._prev_scores = self.log.previous_scores(epoch, step)
         stats = round_stats(ids, perm_np, scores_np, keep, self._prev_scores, groups)
         stats.update(examples_measured=int(len(sample)) if self._needs else 0,
                      policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales),
@@ -416,7 +422,8 @@ class OnlineSelector:
                      normalized=bool(cfg.normalize and compared), seconds=time.perf_counter() - t0,
                      mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
         self._prev_scores = dict(zip(ids.tolist(), scores_np.tolist()))
-        self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[placed], stats=stats)
+        self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[placed], stats=stats,
+                        scores=scores_np[placed])
         return new_order, stats
 
 
@@ -445,10 +452,11 @@ def _resumed(capture: GradientCapture) -> Iterator[None]:
         capture.pause()
 
 
-def remove_common_direction(grads: torch.Tensor) -> torch.Tensor:
-    """``[W, D]`` rows projected off the unit direction of their mean: ``g_i − ⟨g_i, u⟩ u``, ``u = ḡ/‖ḡ‖``."""
+def remove_common_direction(grads: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[W, D]`` rows projected off the unit direction of their mean: ``g_i − ⟨g_i, u⟩ u``, ``u = ḡ/‖ḡ‖``;
+    ``rows`` (a ``[W]`` bool mask) picks the rows whose mean that is (default: all)."""
     g = grads.double()
-    mean = g.mean(dim=0)
+    mean = (g if rows is None else g[rows]).mean(dim=0)
     norm = float(mean.norm())
     if norm == 0.0:
         return grads
@@ -477,13 +485,17 @@ def measured_sample(num: int, measure: int, groups: list[str] | None, seed: int)
     return np.sort(perm[np.argsort(key, kind="stable")[:measure]])
 
 
-def impute_rows(rows: torch.Tensor, measured: np.ndarray, num: int, groups: list[str] | None) -> torch.Tensor:
+def impute_rows(rows: torch.Tensor, measured: np.ndarray, num: int, groups: list[str] | None,
+                ok: np.ndarray | None = None) -> torch.Tensor:
     """``[num, ...]``: ``rows[k]`` at window position ``measured[k]``; every other position the mean
     of the measured rows of its source (of every measured row when its source has none measured, or
-    the sources are unknown)."""
+    the sources are unknown). ``ok`` (a bool mask over ``measured``) leaves rows out of those means
+    (set-aside measurements); they still sit at their own positions."""
     out = rows.new_empty((num, *rows.shape[1:]))
     out[torch.as_tensor(measured)] = rows
     rest = torch.as_tensor(np.setdiff1d(np.arange(num), measured))
+    if ok is not None and ok.any() and not ok.all():
+        rows, measured = rows[torch.from_numpy(np.asarray(ok))], np.asarray(measured)[ok]
     overall = rows.double().mean(dim=0)
     if groups is None:
         out[rest] = overall.to(rows.dtype)
