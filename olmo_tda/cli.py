@@ -159,7 +159,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                                    path / "run" / "tda" / "trajectory", path)
                        if c.is_dir() and any(c.glob("step*/meta.json"))), None)
     store_dir = resolve_store(path)
-    summary = GradientStore.open(store_dir).summary() if (store_dir / "store.json").exists() or trajectory is None else {}
+    store = GradientStore.open(store_dir) if (store_dir / "store.json").exists() or trajectory is None else None
+    summary = store.summary() if store is not None else {}
+    damaged = []
+    if args.verify:
+        if store is None:
+            raise SystemExit(f"error: --verify: no gradient store at {path}")
+        checked = summary["verify"] = store.verify()
+        damaged = checked["damaged"]
     if trajectory is not None:
         t = Trajectory.summary(trajectory)
         summary["trajectory"] = {"path": t["path"], "checkpoints": t["checkpoints"], "steps": t["steps"],
@@ -167,13 +174,24 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                                  "dtype": t["dtype"], "lrs": t["lrs"]}
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
-        return 0
+        return 1 if damaged else 0
     for key, value in summary.items():
+        if key == "verify":
+            continue
         if isinstance(value, (dict, list)):
             value = json.dumps(value, default=str)
             value = value if len(value) < 200 else value[:197] + "..."
         print(f"{key:>22}: {value}")
-    return 0
+    if args.verify:
+        v = summary["verify"]
+        print(f"{'verify':>22}: {v['datasets']} datasets in {v['shards']} shards, {v['bytes_read']} bytes read: "
+              + (f"{len(damaged)} damaged" if damaged else "all checksums match")
+              + (f"; {len(v['unchecked'])} shards have no checksums (written by an older version)"
+                 if v["unchecked"] else ""))
+        for d in damaged:
+            print(f"damaged: {d['file']}" + (f" {d['dataset']}" if d["dataset"] else "") + f": {d['problem']}",
+                  file=sys.stderr)
+    return 1 if damaged else 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -225,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="summarize a gradient store and trajectory (or a run directory holding them)")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    inspect.add_argument("--verify", action="store_true",
+                         help="read every shard and check its checksums; exit 1 naming any damaged one")
     inspect.set_defaults(func=_cmd_inspect)
     report = sub.add_parser("report", help="HTML report of a run: training curve and online-selection rounds")
     report.add_argument("run", help="run directory of olmo-tda train")

@@ -348,6 +348,52 @@ def test_a_damaged_compressed_chunk_names_the_shard_and_the_dataset(tmp_path):
         store.read_all()
 
 
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_verify_finds_a_flipped_bit_inside_a_complete_shard(tmp_path, compression, capsys):
+    """Bit rot inside a complete, well-formed shard reads back silently as other numbers; ``verify``
+    (``olmo-tda inspect --verify``) recomputes each dataset's CRC-32 and names the shard and dataset.
+    The oracle: zlib's CRC-32 of the rows the test wrote, and a byte the test flipped itself."""
+    import zlib
+
+    from olmo_tda.cli import main
+
+    path = tmp_path / "s"
+    records = [record(step, rows=40) for step in range(4)]
+    with writer(path, flush_every=2, compression=compression) as w:
+        for r in records:
+            w.append(r)
+    store = GradientStore.open(path)
+    clean = store.verify()
+    assert clean["damaged"] == [] and clean["unchecked"] == [] and clean["shards"] == 2
+    assert clean["datasets"] == 2 * 6 and clean["bytes_read"] == 2 * 80 * (8 + 8 + 8 + 8 + 4 * (15 + 8))
+    assert main(["inspect", str(path), "--verify"]) == 0
+    shard_path = path / "shards" / "r00000-00000001.h5"
+    with h5py.File(shard_path, "r") as f:             # the writer's checksum is of the rows it was given
+        rows = torch.cat([r.grads["fc2"] for r in records[2:]]).numpy()
+        assert int(f["grads/L0001"].attrs["crc32"]) == zlib.crc32(rows.tobytes())
+        if compression:
+            chunk = f["grads/L0001"].id.get_chunk_info(0)
+            at = chunk.byte_offset + chunk.size - 8          # inside the deflate stream's last bytes
+        else:
+            at = f["grads/L0001"].id.get_offset() + 7 * 4 * 8 + 1
+    data = bytearray(shard_path.read_bytes())
+    data[at] ^= 0x10
+    shard_path.write_bytes(bytes(data))
+    if not compression:             # an ordinary read cannot tell: it returns another number
+        block = GradientStore.open(path).read_all(layers=["fc2"])
+        assert not torch.equal(torch.as_tensor(block.grads["fc2"]), torch.cat([r.grads["fc2"] for r in records]))
+    found = GradientStore.open(path).verify()
+    assert [(d["file"], d["dataset"]) for d in found["damaged"]] in (
+        [("shards/r00000-00000001.h5", "grads/L0001")], [("shards/r00000-00000001.h5", None)])
+    assert main(["inspect", str(path), "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert "damaged: shards/r00000-00000001.h5" in err and "grads/L0001" in err
+    with h5py.File(path / "shards" / "r00000-00000000.h5", "r+") as f:    # written before checksums were kept
+        for name in ("ids", "steps", "lr", "loss_scale", "grads/L0000", "grads/L0001"):
+            del f[name].attrs["crc32"]
+    assert GradientStore.open(path).verify()["unchecked"] == ["shards/r00000-00000000.h5"]
+
+
 def test_a_shard_whose_key_column_cannot_be_found_names_it(tmp_path):
     path = tmp_path / "s"
     with writer(path, flush_every=2) as w:

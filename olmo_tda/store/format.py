@@ -20,6 +20,11 @@ Inside a shard (N rows, layer ``i`` of ``store.json["layers"]`` with shape ``[k_
                  or [N, k_out + k_in, c] for a layer stored as rank-c LoRIF factors (``"rank": c`` in
                  ``store.json``): rows of A [k_out, c] above rows of B [k_in, c], ``Ĝ = A Bᵀ``
 
+Every dataset carries a ``crc32`` attribute: zlib's CRC-32 of its values' bytes in row order (as
+uncompressed), which :func:`dataset_crc32` recomputes and ``GradientStore.verify`` compares (shards
+written before it was added have none). A query does not check it: damage inside a complete file is
+found by ``olmo-tda inspect --verify``, not on every read.
+
 HDF5 names never contain module names (they may contain ``/`` or ``.``): layer ``i`` is
 ``grads/L{i:04d}`` and its name lives only in ``store.json``.
 
@@ -35,6 +40,7 @@ import errno
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +71,8 @@ __all__ = [
     "prepare_shard",
     "commit_shard",
     "read_shard_info",
+    "dataset_crc32",
+    "CRC_ATTR",
 ]
 
 FORMAT_NAME = "olmo_tda.store"
@@ -75,6 +83,7 @@ SHARD_DIR = "shards"
 LOCK_DIR = "locks"
 QUARANTINE_DIR = "quarantine"
 TMP_SUFFIX = ".tmp"
+CRC_ATTR = "crc32"
 _SHARD_RE = re.compile(r"^r(\d{5})-(\d{8})\.h5$")
 _MANIFEST_RE = re.compile(r"^manifest-r(\d{5})\.json$")
 
@@ -314,10 +323,10 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
                         "seq": seq, "num_rows": n, "step_min": int(steps.min()),
                         "step_max": int(steps.max()), "dtype": StoreDType(dtype).value,
                         "num_layers": num_layers})
-        f.create_dataset("ids", data=ids)
-        f.create_dataset("steps", data=steps)
-        f.create_dataset("lr", data=np.concatenate([c["lr"] for c in chunks]).astype(np.float64))
-        f.create_dataset("loss_scale", data=np.concatenate([c["loss_scale"] for c in chunks]).astype(np.float64))
+        for name, values in (("ids", ids), ("steps", steps),
+                             ("lr", np.concatenate([c["lr"] for c in chunks]).astype(np.float64)),
+                             ("loss_scale", np.concatenate([c["loss_scale"] for c in chunks]).astype(np.float64))):
+            f.create_dataset(name, data=values).attrs[CRC_ATTR] = _crc32([values])
         group = f.create_group("grads")
         for i in range(num_layers):
             parts = [np.ascontiguousarray(c["grads"][i], dtype=disk_dtype(dtype)) for c in chunks]
@@ -330,9 +339,11 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
                 # chunks of whole rows, ~1 MiB, so a block read decompresses little beyond the block
                 rows_per_chunk = max(1, min(n, (1 << 20) // max(1, int(np.prod(row_shape)) * 4)))
                 group.create_dataset(f"L{i:04d}", data=parts[0] if len(parts) == 1 else np.concatenate(parts),
-                                     compression=compression, chunks=(rows_per_chunk, *row_shape))
+                                     compression=compression, chunks=(rows_per_chunk, *row_shape)
+                                     ).attrs[CRC_ATTR] = _crc32(parts)
                 continue
             ds = group.create_dataset(f"L{i:04d}", shape=(n, *row_shape), dtype=parts[0].dtype, dcpl=_raw_dcpl())
+            ds.attrs[CRC_ATTR] = _crc32(parts)
             offset = ds.id.get_offset()
             if offset is None:  # cannot happen with early allocation; never write rows to nowhere
                 raise RuntimeError(f"prepare_shard: libhdf5 allocated no extent for grads/L{i:04d}")
@@ -357,6 +368,23 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
         raise
     return tmp, ShardInfo(file=shard_name(rank, seq), rank=rank, seq=seq, num_rows=n,
                           step_min=int(steps.min()), step_max=int(steps.max()), bytes=structure.size)
+
+
+def _crc32(parts: list[np.ndarray]) -> np.uint32:
+    """CRC-32 of the concatenated bytes of C-contiguous ``parts`` (zlib releases the GIL on them)."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(part)).cast("B"), crc)
+    return np.uint32(crc)
+
+
+def dataset_crc32(blocks: Any) -> int:
+    """CRC-32 of a dataset read back as consecutive row ``blocks`` (arrays), to compare with its
+    ``crc32`` attribute."""
+    crc = 0
+    for block in blocks:
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(block)).cast("B"), crc)
+    return crc
 
 
 def _raw_dcpl() -> h5py.h5p.PropDCID:

@@ -24,7 +24,8 @@ uncompressed store) are read straight from the file at their byte offsets (:clas
 h5py's per-call overhead made a small shard cost more to open and read than to score. Each dataset is
 checked when it is first opened: its rows against the index (a writer's ``truncate_after`` rewrites a
 shard under its name: :class:`StoreError`, call :meth:`GradientStore.refresh`), a gradient dataset's
-row shape and dtype against ``store.json`` (:class:`StoreCorruptError`).
+row shape and dtype against ``store.json`` (:class:`StoreCorruptError`). The datasets' checksums are
+not checked on these reads; :meth:`GradientStore.verify` reads everything and checks them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import torch
 from olmo_tda.config import StoreConfig, StoreDType
 
 from .errors import StoreCorruptError, StoreError
-from .format import STORE_JSON, ShardInfo, decode_grads, disk_dtype, open_h5, stored_shape
+from .format import (CRC_ATTR, STORE_JSON, ShardInfo, dataset_crc32, decode_grads, disk_dtype, open_h5,
+                     stored_shape)
 from .record import LowRank, cat_rows
 from .manifest import COUNTERS, RankState, manifest_path, scan_store
 from .meta import load_store_json
@@ -217,6 +219,44 @@ class GradientStore:
             "extra": self.meta.get("extra", {}),
             "stats": self.stats,
         }
+
+    def verify(self, progress: Any = None) -> dict[str, Any]:
+        """Read every dataset of every shard and compare it with the CRC-32 its writer stored.
+
+        Returns ``{"shards", "datasets", "bytes_read", "damaged": [{"file", "dataset", "problem"}],
+        "unchecked": [files without checksums (written before they were kept)]}``; nothing raises
+        for a damaged shard, every one is listed. ``progress(done, total)`` is called per shard.
+        Reads ~:data:`BLOCK_BYTES` at a time, whatever the shard's size.
+        """
+        names = ["ids", "steps", "lr", "loss_scale", *(f"grads/L{i:04d}" for i in range(len(self.layers)))]
+        damaged: list[dict[str, Any]] = []
+        unchecked: list[str] = []
+        datasets = nbytes = 0
+        shards = self.shards
+        for done, info in enumerate(shards):
+            try:
+                with self._reader(info) as shard:
+                    missing = False
+                    for name in names:
+                        want = shard.attr(name, CRC_ATTR)
+                        if want is None:
+                            missing = True
+                            continue
+                        got = dataset_crc32(shard.blocks(name, BLOCK_BYTES))
+                        datasets += 1
+                        nbytes += shard.nbytes(name)
+                        if got != int(want):
+                            damaged.append({"file": info.file, "dataset": name,
+                                            "problem": f"checksum {got:#010x} != stored {int(want):#010x}: its "
+                                                       "bytes changed after it was written"})
+                    if missing:
+                        unchecked.append(info.file)
+            except (StoreCorruptError, StoreError) as e:
+                damaged.append({"file": info.file, "dataset": None, "problem": str(e)})
+            if progress is not None:
+                progress(done + 1, len(shards))
+        return {"shards": len(shards), "datasets": datasets, "bytes_read": nbytes, "damaged": damaged,
+                "unchecked": unchecked}
 
     def _keys(self) -> tuple[int, np.ndarray]:
         if self._key_summary is None:
@@ -514,6 +554,25 @@ class _ShardReader:
             raise StoreCorruptError(f"gradient store shard {self.path}: dataset {name} ends after {got} of its "
                                     f"{out.nbytes} bytes from row {lo} (truncated); open the store with repair=True")
         return out if rows is None or hi - lo == len(rows) else out[rows - lo]
+
+    def attr(self, name: str, key: str) -> Any:
+        """Attribute ``key`` of dataset ``name`` (None when it has none)."""
+        dsid = self._layout(name)[0]
+        try:
+            return h5py.Dataset(dsid).attrs.get(key)
+        except (OSError, KeyError, ValueError) as e:
+            raise self._damaged(name, f"has an unreadable attribute {key!r} ({type(e).__name__}: {e})") from e
+
+    def nbytes(self, name: str) -> int:
+        _, shape, dtype, _ = self._layout(name)
+        return math.prod(shape) * dtype.itemsize
+
+    def blocks(self, name: str, max_bytes: int) -> Iterator[np.ndarray]:
+        """Dataset ``name``'s rows, in order, in blocks of at most ``max_bytes`` (at least one row)."""
+        _, shape, dtype, _ = self._layout(name)
+        step = max(1, max_bytes // max(1, dtype.itemsize * math.prod(shape[1:])))
+        for lo in range(0, shape[0], step):
+            yield self.read(name, np.arange(lo, min(shape[0], lo + step)))
 
     def _open_raw(self):
         """The shard's bytes, unbuffered: the file HDF5 has open, not a newer one under its name (a
