@@ -95,10 +95,13 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     ids = _read_ids(args.ids) if args.ids else None
     if ids is not None and args.method != "tracin":
         raise ValueError("--ids chooses the training examples TracIn-CP recomputes; use it with --method tracin")
-    options = {k: v for k, v in (("hessian", args.hessian), ("damping", args.damping), ("rank", args.rank))
-               if v is not None}
+    options = {k: v for k, v in (("hessian", args.hessian), ("damping", args.damping), ("rank", args.rank),
+                                 ("damping_ratio", args.damping_ratio)) if v is not None}
     if options and args.method != "influence":
-        raise ValueError(f"--hessian/--damping/--rank apply to --method influence, not {args.method}")
+        raise ValueError(f"--hessian/--damping/--damping-ratio/--rank apply to --method influence, not {args.method}")
+    if args.damping is not None and args.damping_ratio is not None:
+        raise ValueError("--damping (one λ for every layer) and --damping-ratio (λ relative to each layer's "
+                         "Fisher) exclude each other: give one")
     if args.rank is not None and args.hessian not in ("lorif", "joint"):
         raise ValueError(f"--rank is the rank of --hessian lorif or joint, not of "
                          f"{args.hessian or 'ekfac (the default)'}")
@@ -222,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="influence: EK-FAC (default), explicit D×D Fisher per layer, rank-r Woodbury, or one "
                            "Fisher over all layers together (joint: explicit for small stores, rank-r with --rank)")
     attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
+    attr.add_argument("--damping-ratio", type=float,
+                      help="influence: λ = RATIO·tr(F)/D per layer, its mean Fisher eigenvalue (default 0.1)")
     attr.add_argument("--rank", type=int, help="influence lorif: rank r of each layer's Fisher (default 64); "
                                                   "joint: rank r of the whole-model Fisher (default: explicit)")
     attr.add_argument("--route", choices=["auto", "model", "factorized", "materialized"], default="auto",

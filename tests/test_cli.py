@@ -99,6 +99,17 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     assert "--rank is the rank of --hessian lorif or joint, not of ekfac (the default)" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "gradcos", "--damping", "1"]) == 2
     assert "apply to --method influence" in capsys.readouterr().err
+    assert main(["attribute", str(out), "--query", "x y", "--method", "influence", "--damping", "1",
+                 "--damping-ratio", "1"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    # --damping-ratio 1.0: each layer's λ is 10x the default ratio 0.1's (the lines above printed those)
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence",
+                 "--damping-ratio", "1.0", "--json", str(tmp_path / "ratio1.json")]) == 0
+    capsys.readouterr()
+    ratio1 = json.loads((tmp_path / "ratio1.json").read_text())[0]["damping"]
+    default = json.loads((tmp_path / "ekfac.json").read_text())[0]["damping"]
+    assert ratio1.keys() == default.keys()
+    assert all(abs(ratio1[n] / default[n] - 10) < 1e-9 for n in default)
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(f"{passage['index']}\n7, 9\n")
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "tracin", "--ids", f"@{ids_file}",

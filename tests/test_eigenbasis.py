@@ -215,6 +215,25 @@ def test_save_load_roundtrip_bitwise_and_verified(tmp_path):
     with pytest.raises(EigenBasisError, match="junk.safetensors"):
         EigenBasis.load(tmp_path / "junk.safetensors")
 
+    # a damaged header (valid JSON of the wrong shape) names the file and what is missing
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from olmo_tda.capture.eigenbasis import FORMAT_NAME
+    with safe_open(str(path), framework="pt") as f:
+        tensors, good = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()[FORMAT_NAME])
+    fc2 = {k: v for k, v in good["layers"]["fc2"].items() if k != "k_out"}
+    for header, says in (([1, 2], "'layers' is missing or not a mapping"),
+                         ({**good, "layers": None}, "'layers' is missing or not a mapping"),
+                         ({**good, "layers": {**good["layers"], "fc2": fc2}}, r"layer 'fc2' lacks \['k_out'\]"),
+                         ({**good, "layers": {**good["layers"], "fc2": {**fc2, "k_out": "x"}}}, "layer .fc2. has a field of the wrong type"),
+                         ({**good, "format_version": "1"}, "format_version '1'")):
+        save_file(tensors, str(bad), metadata={FORMAT_NAME: json.dumps(header)})
+        with pytest.raises(EigenBasisError, match=f"bad.safetensors: damaged header: {says}"):
+            EigenBasis.load(bad)
+
 
 # ---------------------------------------------------------------------------------------------
 # capture
@@ -495,3 +514,14 @@ def test_olmo_run_estimates_basis_once_and_queries_use_it(tmp_path, budget):
     queried = OLMoRun(run)
     _, projector_hash = queried.query_gradients(["def f(x): return x"])
     assert projector_hash == store.meta["projector_hash"]
+
+    # the basis file replaced after the store was written (same config, other matrices): the query is
+    # refused naming the layer and the basis digest, not with advice about the capture config
+    import dataclasses
+
+    swapped = EigenBasis({n: dataclasses.replace(lb, proj_out=-lb.proj_out) for n, lb in basis.layers.items()},
+                         budget=basis.budget)
+    swapped.save(path)
+    with pytest.raises(ValueError, match=r"layer '[^']+' was projected onto another eigenbasis \(basis digest "
+                                         rf"{swapped.digest[:16]} here, {basis.digest[:16]} in the store\)"):
+        OLMoRun(run).attribute(["def f(x): return x"], method="graddot")

@@ -329,11 +329,66 @@ def test_influence_bad_options_are_refused(tmp_path):
         get_method("influence", hessian="raw", rank=64)
     with pytest.raises(ValueError, match="rank must be >= 1"):
         get_method("influence", hessian="joint", rank=0)
+    with pytest.raises(ValueError, match="oversample must be >= 0"):
+        get_method("influence", hessian="lorif", oversample=-70)
+    with pytest.raises(ValueError, match="iterations must be >= 1"):
+        get_method("influence", hessian="lorif", iterations=-1)
     store = _store(tmp_path, {"fc": torch.zeros(4, 2, 2)})
     for hessian in ("ekfac", "raw", "lorif", "joint"):
         with pytest.raises(ValueError, match="zero gradients|gradients are all zero"):
             attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence", hessian=hessian)
     assert get_method("influence").hessian == "ekfac"
+
+
+@pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac"])
+def test_a_layer_with_zero_gradients_is_left_out_not_fatal(tmp_path, hessian, caplog):
+    """A layer whose every stored row is zero (a frozen or unused module) used to refuse the whole
+    question under the default relative damping; it adds exactly 0 to every score, so the answer is
+    the influence of the other layers alone (explicit damped inverse), with a warning naming it."""
+    gen = torch.Generator().manual_seed(0)
+    train = torch.randn(20, 3, 2, generator=gen)
+    store = _store(tmp_path, {"fc": train, "dead": torch.zeros(20, 2, 2)})
+    q = torch.randn(2, 3, 2, generator=gen)
+    res = attribute(store, {"fc": q, "dead": torch.randn(2, 2, 2, generator=gen)}, method="influence",
+                    hessian=hessian, return_scores=True, **({"rank": 6} if hessian == "lorif" else {}))
+    assert "1 layer(s) have zero gradients in every stored row" in caplog.text and "'dead'" in caplog.text
+    assert res.info["dead_layers"] == ["dead"]
+    if hessian == "ekfac":      # not the exact inverse; it must equal the 'fc'-only store's answer
+        alone = attribute(_store(tmp_path, {"fc": train}, name="alone"), {"fc": q}, method="influence",
+                          hessian="ekfac", return_scores=True).all_scores
+    else:
+        inv, _ = _explicit(train)
+        alone = q.reshape(2, -1).double() @ inv @ train.reshape(20, -1).double().T
+    torch.testing.assert_close(res.all_scores.double(), alone.double(), rtol=1e-6, atol=1e-9)
+    again = attribute(store, {"fc": q, "dead": torch.randn(2, 2, 2, generator=gen)}, method="influence",
+                      hessian=hessian, return_scores=True, **({"rank": 6} if hessian == "lorif" else {}))
+    assert again.info["cached"] and torch.equal(again.all_scores, res.all_scores)   # the cache keeps it out
+
+
+def test_the_cache_keeps_one_fit_per_option_set_as_the_store_grows(tmp_path):
+    """A store queried while training appends to it: each new state is fitted once and replaces the
+    file of the older state with the same options (a D×D float64 factor per layer each); other
+    option sets keep their own file."""
+    gen = torch.Generator().manual_seed(1)
+    meta = {"capture": {}, "projector_hash": "h", "layers": [{"name": "fc", "shape": [4, 4], "projector": {}}]}
+    q = {"fc": torch.randn(1, 4, 4, generator=gen)}
+    cache = tmp_path / "s" / "cache"
+    with GradientStore.create(tmp_path / "s", meta, StoreConfig(flush_every=1)) as w:
+        for step in range(1, 4):
+            w.append(GradientRecord(ids=np.arange(8), step=step, lr=0.1, loss_scale=1.0,
+                                    grads={"fc": torch.randn(8, 4, 4, generator=gen)}))
+            w.flush()
+            store = GradientStore.open(tmp_path / "s")
+            assert store.num_rows == 8 * step
+            raw = attribute(store, q, method="influence", hessian="raw", return_scores=True)
+            assert "cached" not in raw.info
+            inv, _ = _explicit(torch.cat([b.grads["fc"] for b in store.iter_blocks()]))
+            want = q["fc"].reshape(1, -1).double() @ inv @ torch.cat(
+                [b.grads["fc"] for b in store.iter_blocks()]).reshape(-1, 16).double().T
+            torch.testing.assert_close(raw.all_scores.double(), want, rtol=1e-6, atol=1e-9)
+            assert len(list(cache.glob("influence-*.safetensors"))) == 1
+    attribute(store, q, method="influence", hessian="ekfac")
+    assert len(list(cache.glob("influence-*.safetensors"))) == 2 and not list(cache.glob("*.tmp"))
 
 
 @pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac", "joint", "joint-rank"])

@@ -220,24 +220,40 @@ class EigenBasis:
             header = json.loads(meta[FORMAT_NAME])
         except ValueError as e:
             raise EigenBasisError(f"eigenbasis {path}: unreadable header ({e})") from None
+        if not isinstance(header, dict) or not isinstance(header.get("layers"), dict):
+            raise EigenBasisError(f"eigenbasis {path}: damaged header: 'layers' is missing or not a mapping")
+        if not isinstance(header.get("format_version", -1), int):
+            raise EigenBasisError(f"eigenbasis {path}: damaged header: format_version "
+                                  f"{header.get('format_version')!r}")
         if int(header.get("format_version", -1)) > FORMAT_VERSION:
             raise EigenBasisError(f"{path} has format_version {header.get('format_version')}, newer than this "
                                   f"olmo_tda reads ({FORMAT_VERSION}); upgrade olmo_tda")
         layers = {}
         for name, h in header["layers"].items():
+            fields = ("trace_out", "trace_in", "bias", "num_tokens", "k_out", "n_out", "k_in", "n_in")
+            if not isinstance(h, dict) or any(k not in h for k in fields):
+                absent = [k for k in fields if not isinstance(h, dict) or k not in h]
+                raise EigenBasisError(f"eigenbasis {path}: damaged header: layer {name!r} lacks {absent}")
             try:
                 lb = LayerBasis(proj_out=tensors[f"{name}/out"], proj_in=tensors[f"{name}/in"],
                                 eigvals_out=tensors[f"{name}/out_eigvals"], eigvals_in=tensors[f"{name}/in_eigvals"],
                                 trace_out=float(h["trace_out"]), trace_in=float(h["trace_in"]),
                                 bias=bool(h["bias"]), num_tokens=int(h["num_tokens"]))
+                want = [(int(h["k_out"]), int(h["n_out"])), (int(h["k_in"]), int(h["n_in"]))]
             except KeyError as e:
                 raise EigenBasisError(f"eigenbasis {path}: layer {name!r} lacks tensor {e}") from None
-            want = [(h["k_out"], h["n_out"]), (h["k_in"], h["n_in"])]
+            except (TypeError, ValueError) as e:
+                raise EigenBasisError(f"eigenbasis {path}: damaged header: layer {name!r} has a field of the "
+                                      f"wrong type ({e})") from None
             if [tuple(lb.proj_out.shape), tuple(lb.proj_in.shape)] != want:
                 raise EigenBasisError(f"eigenbasis {path}: layer {name!r} has matrices {tuple(lb.proj_out.shape)}, "
                                       f"{tuple(lb.proj_in.shape)} but its header says {want}")
             layers[name] = lb
-        basis = cls(layers, path=path, budget=int(header.get("budget", 0)))
+        try:
+            budget = int(header.get("budget", 0))
+        except (TypeError, ValueError):
+            raise EigenBasisError(f"eigenbasis {path}: damaged header: budget {header.get('budget')!r}") from None
+        basis = cls(layers, path=path, budget=budget)
         if basis.digest != header.get("digest"):
             raise EigenBasisError(f"eigenbasis {path} is corrupt: its matrices hash to {basis.digest[:16]}, "
                                   f"its header says {str(header.get('digest'))[:16]}")

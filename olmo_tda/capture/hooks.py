@@ -82,6 +82,8 @@ class Recording:
         self.loss_scale = float(loss_scale)
         self.projector_hash = capture.projector_hash
         """Identifies the projectors: :func:`~olmo_tda.attribute` refuses a store made with others."""
+        self.projector_specs = capture.projector_specs
+        """Each layer's projector spec: names the first layer and field that differ from a store's."""
         self._capture = capture
         # forward id -> name -> dense Ĝ [B, Ko, Ki], or token factors (g [B, T, Ko], a [B, T, Ki])
         self._parts: dict[int, dict[str, Any]] = {}
@@ -324,6 +326,7 @@ class GradientCapture:
         self._warned_unrecorded = False
         self._warned_silent: set[str] = set()
         self._projector_hash: str | None = None
+        self._projector_specs: dict[str, dict[str, Any]] | None = None
         self._layer_ranks: dict[str, int] | None = None
         self.modules: dict[str, nn.Module] = select_linears(model, self.config) if enabled else {}
         self._with_bias = {n: self.config.include_bias and getattr(m, "bias", None) is not None
@@ -682,10 +685,17 @@ class GradientCapture:
         return self.projectors[name].matrices()
 
     @property
+    def projector_specs(self) -> dict[str, dict[str, Any]]:
+        """Every layer's projector spec (kind, seed, shapes, matrix digest), computed once."""
+        if self._projector_specs is None:
+            self._projector_specs = {n: p.spec() for n, p in self.projectors.items()}
+        return self._projector_specs
+
+    @property
     def projector_hash(self) -> str:
         """Hash of every layer's projector spec (kind, seed, shapes, matrix digest)."""
         if self._projector_hash is None:
-            self._projector_hash = specs_hash({n: p.spec() for n, p in self.projectors.items()})
+            self._projector_hash = specs_hash(self.projector_specs)
         return self._projector_hash
 
     def store_metadata(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from ..config import ConfigError, ProjectionType, TDAConfig, apply_overrides
 from ..demo.corpus import ByteTokenizer
 from ..demo.data import BYTE_TOKENIZER_ID
 from ..methods import attribute
+from ..methods.base import projector_difference
 from ..store import GradientStore
 from .olmo import TDA_YAML, basis_path
 
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 class OLMoRun:
     """A finished (or checkpointed) ``olmo-tda train`` run, opened for queries."""
+
+    query_projector_specs: dict[str, Any] | None = None
+    """The projector specs of the last :meth:`query_gradients` (to name what differs from the store's)."""
 
     def __init__(self, run_dir: str | Path, checkpoint: str | Path | None = None):
         from olmo.config import TrainConfig
@@ -120,6 +124,7 @@ class OLMoRun:
                     self.model.zero_grad(set_to_none=True)
                     for name, g in rec.dense().items():
                         grads.setdefault(name, []).append(g)
+            self.query_projector_specs = capture.projector_specs     # names what differs from the store's
             return {n: torch.cat(gs) for n, gs in grads.items()}, capture.projector_hash
         finally:
             capture.remove()
@@ -191,7 +196,8 @@ class OLMoRun:
             self.load_weights(ckpt)
             grads, projector_hash = self.query_gradients(texts)
             if projector_hash != store_hash:
-                raise ValueError(f"query projectors {projector_hash} differ from the store's {store_hash}")
+                raise ValueError(f"query projectors {projector_hash} differ from the store's {store_hash}: "
+                                 + projector_difference(self.query_projector_specs, self.store.meta))
             return grads
 
         try:
@@ -226,7 +232,7 @@ class OLMoRun:
         else:
             queries, projector_hash = self.query_gradients(texts)
             result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash,
-                               **method_options)
+                               projector_specs=self.query_projector_specs, **method_options)
             self.last_info = result.info
         out = []
         for text, rows in zip(texts, result.as_dicts()):

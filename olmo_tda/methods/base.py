@@ -154,9 +154,31 @@ def _first_occurrences(ids: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return first.reshape(num_q, w)
 
 
+def projector_difference(specs: dict[str, dict[str, Any]] | None, meta: dict[str, Any]) -> str:
+    """What differs between the queries' projector ``specs`` and the store's (``meta["layers"]``), as
+    advice: a replaced eigenbasis file cannot be fixed by the capture config."""
+    generic = "capture the queries with the store's capture config (seed, proj_dim, proj_type, layers)"
+    stored = {layer.get("name"): layer.get("projector") for layer in meta.get("layers", []) if isinstance(layer, dict)}
+    if not specs or not stored:
+        return generic
+    for name, spec in specs.items():
+        theirs = stored.get(name)
+        if theirs is None or theirs == spec:
+            continue
+        fields = sorted(k for k in set(spec) | set(theirs) if spec.get(k) != theirs.get(k))
+        if "basis_digest" in fields:
+            return (f"layer {name!r} was projected onto another eigenbasis (basis digest {spec['basis_digest']} "
+                    f"here, {theirs.get('basis_digest')} in the store): the basis file was replaced or "
+                    "re-estimated after the store was written; query with the basis the run captured with")
+        return (f"layer {name!r} differs in {', '.join(fields)} ({', '.join(f'{k}={spec.get(k)!r}' for k in fields)} "
+                f"here, {', '.join(f'{k}={theirs.get(k)!r}' for k in fields)} in the store); {generic}")
+    return generic
+
+
 def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "graddot", top_k: int = 10,
               layers: Iterable[str] | None = None, block_size: int | None = None, return_scores: bool = False,
-              projector_hash: str | None = None, **method_options: Any) -> AttributionResult:
+              projector_hash: str | None = None, projector_specs: dict[str, Any] | None = None,
+              **method_options: Any) -> AttributionResult:
     """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query
     (ties to the earlier row in store order; each (id, step) once: see the module docstring).
 
@@ -173,6 +195,8 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
             (duplicate (id, step) rows included; memory O(Q·N)).
         projector_hash: the capture's ``projector_hash`` for plain-dict queries (a Recording carries
             its own); compared with the store's, since scores across different projectors are noise.
+        projector_specs: the capture's ``projector_specs`` for plain-dict queries, so a mismatch names
+            the layer and field that differ.
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -183,8 +207,10 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
     stored_hash = getattr(store, "meta", {}).get("projector_hash")
     if projector_hash is not None and stored_hash is not None and projector_hash != stored_hash:
         raise ValueError(f"the queries were projected with projectors {projector_hash}, the store with "
-                         f"{stored_hash}: capture the queries with the store's capture config (seed, proj_dim, "
-                         f"proj_type, layers) — see `olmo-tda inspect {getattr(store, 'path', '')}`")
+                         f"{stored_hash}: "
+                         + projector_difference(getattr(queries, "projector_specs", projector_specs),
+                                                getattr(store, "meta", {}))
+                         + f" — see `olmo-tda inspect {getattr(store, 'path', '')}`")
     queries = _as_queries(queries)
     if layers is None and set(queries) != set(store.layers):
         log.warning("queries cover %d layers and the store %d: scoring the %d they share (pass layers= to "

@@ -82,11 +82,13 @@ def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = 
         for name in layers:
             g = _flat(block.grads[name])
             trace[name] += float((g * g).sum())
-            gram = g.T @ g
-            fisher[name] = gram if name not in fisher else fisher[name] + gram
+            if name in fisher:
+                fisher[name].addmm_(g.T, g)          # in place: no second D×D matrix per block
+            else:
+                fisher[name] = g.T @ g
     if num == 0:
         raise ValueError("influence needs training rows in the store to estimate the Fisher")
-    return {n: f / num for n, f in fisher.items()}, {n: t / num for n, t in trace.items()}, num
+    return {n: f.div_(num) for n, f in fisher.items()}, {n: t / num for n, t in trace.items()}, num
 
 
 def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: int = 8, iterations: int = 3,
@@ -201,11 +203,10 @@ def joint_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = 
     for block in store.iter_blocks(layers=list(layers), block_size=block_size):
         num += len(block.ids)
         g = _joint_rows(block, layers)
-        gram = g.T @ g
-        fisher = gram if fisher is None else fisher + gram
+        fisher = g.T @ g if fisher is None else fisher.addmm_(g.T, g)
     if num == 0:
         raise ValueError("influence needs training rows in the store to estimate the Fisher")
-    fisher = fisher / num
+    fisher.div_(num)
     return fisher, float(torch.trace(fisher)), num
 
 
@@ -236,6 +237,10 @@ class Influence:
             raise ValueError(f"influence: rank is the rank of hessian='lorif' or 'joint', not of hessian={hessian!r}")
         if rank is not None and rank < 1:
             raise ValueError(f"influence: rank must be >= 1, got {rank}")
+        if oversample < 0:
+            raise ValueError(f"influence: oversample must be >= 0 (extra subspace columns), got {oversample}")
+        if iterations < 1:
+            raise ValueError(f"influence: iterations must be >= 1 (passes of subspace iteration), got {iterations}")
         self.joint_rank = rank if hessian == "joint" else None
         """``hessian="joint"``: None = the explicit Fisher; r = its top-r eigenpairs (Woodbury)."""
         rank = 64 if rank is None else rank
@@ -270,11 +275,14 @@ class Influence:
         root, shards = getattr(store, "path", None), getattr(store, "shards", None)
         if root is None or shards is None:
             return None
-        key = json.dumps({"shards": sorted((s.rank, s.seq, s.num_rows, s.bytes) for s in shards), "layers": list(layers),
-                          "hessian": self.hessian, "damping": self.damping, "ratio": self.damping_ratio,
-                          "rank": self.rank, "oversample": self.oversample, "iterations": self.iterations,
-                          "seed": self.seed, "joint_rank": self.joint_rank, "format": 2}, sort_keys=True)
-        return Path(root) / "cache" / f"influence-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+        options = json.dumps({"layers": list(layers), "hessian": self.hessian, "damping": self.damping,
+                              "ratio": self.damping_ratio, "rank": self.rank, "oversample": self.oversample,
+                              "iterations": self.iterations, "seed": self.seed, "joint_rank": self.joint_rank,
+                              "format": 3}, sort_keys=True)
+        state = json.dumps(sorted((s.rank, s.seq, s.num_rows, s.bytes) for s in shards))
+        # influence-<options>-<store state>: a newer state of the store replaces the file of an older one
+        return Path(root) / "cache" / (f"influence-{hashlib.sha256(options.encode()).hexdigest()[:16]}-"
+                                       f"{hashlib.sha256(state.encode()).hexdigest()[:16]}.safetensors")
 
     @property
     def _explicit(self) -> bool:
@@ -288,6 +296,7 @@ class Influence:
     def _save(self, path, layers: Sequence[str]) -> None:
         import json
         import os
+        import threading
 
         from safetensors.torch import save_file
 
@@ -303,9 +312,18 @@ class Influence:
         meta = {"info": json.dumps(self.info), "layers": json.dumps(list(layers))}
         try:
             path.parent.mkdir(exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            save_file(tensors, str(tmp), metadata=meta)
-            os.replace(tmp, path)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")   # racing fits
+            try:
+                save_file(tensors, str(tmp), metadata=meta)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            # the same options fitted on an older state of the store (it grew, or was truncated):
+            # never read again, and up to GiBs each (a D×D float64 factor per layer)
+            options = path.name.rsplit("-", 1)[0]
+            for old in path.parent.glob(f"{options}-*.safetensors"):
+                if old != path:
+                    old.unlink(missing_ok=True)
         except OSError as e:          # a read-only store: answer without caching
             log.info("influence: not caching the fitted Fisher in %s (%s)", path.parent, e)
 
@@ -329,7 +347,8 @@ class Influence:
         except Exception as e:   # noqa: BLE001 - a damaged cache is recomputed, never trusted
             log.warning("influence: ignoring unreadable cache %s (%s)", path, e)
             return False
-        self._fitted = {"factors": factors, "damping": info["damping"], "layers": list(layers)}
+        self._fitted = {"factors": factors, "damping": info["damping"], "layers": list(layers),
+                        "dead": info.get("dead_layers", [])}
         self.info = {**info, "cached": True}
         return True
 
@@ -344,21 +363,32 @@ class Influence:
             fisher, trace, num = lowrank_fisher(store, layers, self.rank, oversample=self.oversample,
                                                 iterations=self.iterations, block_size=block_size, seed=self.seed)
         shapes = store.layer_shapes
+        # a layer whose every stored row is zero adds exactly 0 to every score, whatever its curvature:
+        # it is left out (warned), not allowed to refuse the question (its relative λ would be 0)
+        dead = [n for n in layers if not trace[n] > 0]
+        if len(dead) == len(layers) and self.damping is None:
+            raise ValueError(f"influence: every scored layer has zero gradients in the store ({len(layers)} "
+                             "layers): there is nothing to attribute with")
+        if dead:
+            log.warning("influence: %d layer(s) have zero gradients in every stored row and add nothing to any "
+                        "score; they are left out: %s", len(dead), dead)
         damping = {n: (self.damping if self.damping is not None
-                       else self.damping_ratio * trace[n] / (shapes[n][0] * shapes[n][1])) for n in layers}
-        if any(not d > 0 for d in damping.values()):
-            raise ValueError(f"influence: a layer has zero gradients in the store, so the default damping is 0: "
-                             f"{[n for n, d in damping.items() if not d > 0]}; pass damping=")
+                       else self.damping_ratio * trace[n] / (shapes[n][0] * shapes[n][1]) if n not in dead
+                       else 1.0) for n in layers}
         dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
         _warn_tiny_damping(damping, {n: trace[n] / dims[n] for n in layers if num < dims[n]})
         if self.hessian == "raw":
-            factors = {n: torch.linalg.cholesky(fisher[n] + damping[n] * torch.eye(len(fisher[n]), dtype=torch.float64))
-                       for n in layers}
+            factors = {}
+            for n in layers:             # F + λI in place, then its Cholesky factor; F is freed layer by layer
+                f = fisher.pop(n)
+                f.diagonal().add_(damping[n])
+                factors[n] = _cholesky_in_place(f, n)
         else:                        # ekfac and lorif: the factors are what was fitted
             factors = fisher
-        self._fitted = {"factors": factors, "damping": damping, "layers": list(layers)}
+        self._fitted = {"factors": factors, "damping": damping, "layers": list(layers), "dead": dead}
         self.info = {"hessian": self.hessian, "damping": damping, "num_rows": num,
-                     **({"rank": self.rank} if self.hessian == "lorif" else {})}
+                     **({"rank": self.rank} if self.hessian == "lorif" else {}),
+                     **({"dead_layers": dead} if dead else {})}
 
     def _fit_joint(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
         shapes = store.layer_shapes
@@ -382,9 +412,10 @@ class Influence:
         if num < dim:
             _warn_tiny_damping({"all layers (joint)": lam}, {"all layers (joint)": trace / dim})
         if self._explicit:
-            factor = torch.linalg.cholesky(fisher + lam * torch.eye(dim, dtype=torch.float64))
+            fisher.diagonal().add_(lam)                    # in place: no second D×D matrix
+            factor = _cholesky_in_place(fisher, "all layers (joint)")
         damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
-        self._fitted = {"factors": {_JOINT: factor}, "damping": damping, "layers": list(layers)}
+        self._fitted = {"factors": {_JOINT: factor}, "damping": damping, "layers": list(layers), "dead": []}
         self.info = {"hessian": "joint", "damping": damping, "num_rows": num,
                      **({"rank": self.joint_rank} if self.joint_rank is not None else {})}
 
@@ -399,6 +430,8 @@ class Influence:
     def _precondition_layers(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, q in queries.items():
+            if name in self._fitted["dead"]:
+                continue                 # zero in every training row: its term of every score is 0
             flat = _flat(q)
             damping, factor = self._fitted["damping"][name], self._fitted["factors"][name]
             if self.hessian == "raw":
@@ -433,6 +466,20 @@ class Influence:
             s = inner(pre, _double(grads[name]), self.route)
             total = s if total is None else total + s
         return total
+
+
+def _cholesky_in_place(matrix: torch.Tensor, what: str) -> torch.Tensor:
+    """The lower Cholesky factor of the damped Fisher ``matrix``, written over it (its memory is the
+    factor's: fitting holds one D×D matrix, not two)."""
+    # LAPACK works on column-major memory: a row-major ``out`` costs a D×D copy, the transposed view
+    # none. ``matrix`` is symmetric, so that view holds F too; its upper factor Lᵀ is our L row-major
+    info, column_major = torch.empty((), dtype=torch.int32), matrix.mT
+    upper, info = torch.linalg.cholesky_ex(column_major, upper=True, out=(column_major, info))
+    factor = upper.mT
+    if int(info) != 0:
+        raise torch.linalg.LinAlgError(f"influence: the damped Fisher of {what} is not positive definite (minor "
+                                       f"{int(info)} failed): raise the damping")
+    return factor
 
 
 TINY_DAMPING = 1e-10
