@@ -158,8 +158,9 @@ def test_deepspeed_zero_overflow_step_is_dropped(runs, text):
 
 @pytest.mark.parametrize("text", ["stage=2,gas=2,dtype=fp32", *AUTOCAST])
 def test_deepspeed_zero_store_metadata_and_per_row_loss_scale(runs, text):
-    """Rows carry the divisor the loop applied: counted labels of the micro-batch × GAS, never the
-    fp16 loss scale (TracIn weights rows by lr / loss_scale; the optimizer unscales before its step)."""
+    """Rows carry their divisor in the applied update: counted labels of the micro-batch × GAS × the
+    data-parallel ranks averaged, never the fp16 loss scale (TracIn weights rows by lr / loss_scale; the
+    optimizer unscales before its step)."""
     case = worker.parse_case(text)
     store, block = stored_rows(runs / worker.case_name(case))
     assert store.meta["extra"]["framework"] == "deepspeed" and store.meta["extra"]["zero_stage"] == case["stage"]
@@ -171,7 +172,7 @@ def test_deepspeed_zero_store_metadata_and_per_row_loss_scale(runs, text):
                 ids = worker.ids_for(step, rank, micro, 2)
                 counted = int((labels[ids] != -100).sum())
                 rows = [k for k in range(len(block.ids)) if block.steps[k] == step and block.ids[k] in ids]
-                assert np.all(block.loss_scale[rows] == counted * 2)
+                assert np.all(block.loss_scale[rows] == counted * 2 * 2)     # × GAS × the 2 ranks averaged
 
 
 def test_deepspeed_zero3_save_kill_load_continue_has_no_duplicate_or_missing_rows(tmp_path):

@@ -172,3 +172,21 @@ def test_deepspeed_pretrain_launch_env_is_one_process_then_restored(monkeypatch)
         monkeypatch.setenv(key, value)
     with script._launch_env():
         assert {k: os.environ[k] for k in full} == full
+
+
+def test_deepspeed_pretrain_trajectory_beside_a_moved_store_is_found_by_queries(tmp_path):
+    """``tda.store.path`` elsewhere: the trajectory goes beside the store (``attach``'s default), and
+    ``inspect``/``attribute`` look there, not in ``<run_dir>/tda/trajectory`` (they said 'no trajectory')."""
+    from olmo_tda.integrations.olmo_query import open_run, run_outputs
+
+    store = tmp_path / "elsewhere" / "store"
+    done = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=2", *SMALL, f"--tda.store.path={store}",
+                      "--tda.trajectory.enabled=true", "--tda.trajectory.every=1")
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert sorted(p.name for p in (tmp_path / "elsewhere" / "trajectory").iterdir()) == \
+        ["step00000000", "step00000001", "step00000002"]
+    assert run_outputs(tmp_path / "run") == (store, tmp_path / "elsewhere" / "trajectory")
+    run = open_run(tmp_path / "run")
+    assert [c.step for c in run.checkpoints()] == [0, 1, 2]
+    answers = run.attribute(["def f(x): return x"], method="tracin-inrun", top_k=3)
+    assert len(answers[0]["results"]) == 3

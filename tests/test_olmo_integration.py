@@ -100,7 +100,9 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     for step in range(1, 7):                                 # every consumed id, exactly once per step
         assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
     assert sorted({s.rank for s in store.shards}) == [0, 1]   # both ranks wrote their own examples
-    assert np.allclose(block.loss_scale, (GBS // 2) * SEQ)   # OLMo's per-device token normalization
+    # each rank divides by its own tokens and DDP/FSDP average the 2 ranks: a row's share of the update
+    # is 1 / (the global batch's tokens), what in-run TracIn weights it by (was the per-rank count, 2x off)
+    assert np.allclose(block.loss_scale, GBS * SEQ)
 
     # step 4 used the weights saved at step 3: stored unprojected gradients == exact ones
     if strategy == "fsdp" and not (data_dir / "run_ddp" / "step3-unsharded").exists():
@@ -126,6 +128,24 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
         want = exact[f"{name}.weight"]
         err = rel_err(block.grads[name][rows], want.transpose(1, 2) if name.endswith("wte") else want)
         assert err < 1e-4, (name, err)
+
+    # tda/metrics.jsonl's step-4 loss is the run's (both ranks' tokens at θ_3), not rank 0's own, on a
+    # step OLMo does not log (console_log_interval=1000)
+    from olmo.config import TrainConfig
+    from olmo.model import OLMo
+
+    cfg = TrainConfig.load(data_dir / "run_ddp" / "config.yaml")
+    cfg.model.init_device = "cpu"
+    model = OLMo(cfg.model)
+    model.load_state_dict(olmo_step3)
+    tokens = torch.from_numpy(data.reshape(-1, SEQ)[_expected_ids(run_dir, 4)].astype(np.int64))
+    with torch.no_grad():
+        logits = model(tokens).logits
+    # OLMo's loss: the CE sum over the batch divided by its tokens (B·SEQ, not the B·(SEQ-1) predictions)
+    want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(),
+                                             reduction="sum").item() / tokens.numel()
+    logged = {json.loads(x)["step"]: json.loads(x) for x in (run_dir / "tda" / "metrics.jsonl").read_text().splitlines()}
+    assert abs(logged[4]["train/CrossEntropyLoss"] / want - 1) < 1e-4, (logged[4]["train/CrossEntropyLoss"], want)
 
 
 def test_sigkill_and_resume_leaves_no_duplicates_or_gaps(data_dir):
@@ -295,6 +315,18 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
                    cwd=tmp_path)
     assert mixed.returncode != 0 and "continuing would mix the two runs' rows" in mixed.stdout + mixed.stderr
     assert stored(tmp_path / "store_other")[0] == held and {s for s, _ in held} == {7, 8, 9}
+
+    # roll back to step 4 and stop at 6: step8-unsharded is now of an abandoned timeline, its rows of
+    # steps 7-8 cut; try_load_latest_save picks it (the highest step) and is refused, not left with a gap
+    back = [a.replace("--stop_at=8", "--stop_at=6") for a in more]
+    assert _train(back + [f"--load_path={run / 'step4-unsharded'}", "--optimizer.learning_rate=0.03"],
+                  cwd=tmp_path).returncode == 0
+    assert {s for s, _ in stored(store_dir)[0]} == set(range(1, 7)) and (run / "step8-unsharded").is_dir()
+    stale = _train(more + ["--try_load_latest_save=true", "--optimizer.learning_rate=0.03"], cwd=tmp_path)
+    out = stale.stdout + stale.stderr
+    assert stale.returncode != 0 and "the checkpoint of step 8 was saved when the store" in out, out[-2000:]
+    assert "now holds them only up to step 6" in out
+    assert {s for s, _ in stored(store_dir)[0]} == set(range(1, 7))            # nothing was cut or added
 
 
 def test_a_failing_rank_ends_the_job_with_its_own_error(data_dir):

@@ -254,18 +254,20 @@ class DeepSpeedTDA:
     def _undo_loss_factors(self, records: list[Recording]) -> list[float]:
         """Undo what DeepSpeed multiplied each record's loss by, at the step: the rows are de-scaled by
         ``divisor / (g·S)`` (``rec.loss_scale``, opened as ``divisor × gas``), and the returned
-        ``divisor / g`` is what the store keeps as the row's ``loss_scale`` (TracIn weights rows by
-        ``lr / loss_scale``; the optimizer unscales S before its step, so S is not part of it). A
+        ``divisor / g × dp`` is what the store keeps as the row's ``loss_scale`` (TracIn weights rows by
+        ``lr / loss_scale``: the optimizer unscales S before its step, so S is not part of it, and the
+        data-parallel ranks' gradients are averaged, so their number dp is). A
         direct ``loss.backward()`` has nothing to measure: DeepSpeed divides by gas (and refuses fp16).
         Every measured value of the step is read in one device transfer."""
         measured = [self._loss_factors.pop(rec, None) for rec in records]
         tensors = [t for m in measured if m is not None for t in m[:2] if t is not None]
         values = iter(torch.stack([t.float().reshape(-1)[0] for t in tensors]).tolist() if tensors else [])
         kept = []
+        dp = int(getattr(self.engine, "dp_world_size", None) or _world_size())   # DeepSpeed averages over them
         for rec, m in zip(records, measured):
             divisor_gas = rec.loss_scale
             if m is None:
-                kept.append(divisor_gas)
+                kept.append(divisor_gas * dp)
                 continue
             first, second, gas_part = m
             value = next(values)
@@ -278,7 +280,7 @@ class DeepSpeedTDA:
                 scale = 1.0                     # an overflowed step: the engine skips it anyway
             stored = divisor_gas / self._gas() / gas_part
             rec.loss_scale = stored / scale
-            kept.append(stored)
+            kept.append(stored * dp)
         return kept
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:

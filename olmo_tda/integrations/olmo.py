@@ -7,7 +7,8 @@ the step otherwise:
 - ``train_batch``: the whole micro-batch loop runs inside one ``capture.record(batch["index"],
   loss_scale=tokens in the device batch)`` (OLMo divides each micro-batch's CE sum by that number);
 - ``train_step``: after OLMo's optimizer step, the record is handed to the async store with the
-  step and the learning rate OLMo actually used;
+  step and the learning rate OLMo actually used, and ``loss_scale`` times the world size (DDP and
+  FSDP average the ranks' gradients: the row's weight in the update is 1 / global batch tokens);
 - ``trainer_state_dict`` / ``load_trainer_state_dict``: the store position travels in OLMo's own
   checkpoints; on resume the store drops rows past the checkpoint's step (they will be re-run), so
   the store has neither duplicates nor gaps. Checkpoints flush the store first.
@@ -398,7 +399,9 @@ class TDATrainer(Trainer):
         t0 = time.perf_counter()
         if self.trajectory is not None and self.global_step == 1:    # θ_0, before the first update
             self._keep_trajectory(0)
-        metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss)
+        # tda/metrics.jsonl keeps every step's loss: OLMo averages it over the ranks (a reduce of one
+        # scalar to rank 0) only on the steps it logs, and rank 0's own loss is not the run's
+        metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss or self.tda.enabled)
         if self.trajectory is not None:
             if self.global_step == 1:       # θ_0's lr: the one its gradient was used with (warmup's first)
                 self.trajectory.set_lrs(0, [float(g["lr"]) for g in self.optim.param_groups])
@@ -406,7 +409,11 @@ class TDATrainer(Trainer):
         if self.store is not None and self._record is not None:
             t1 = time.perf_counter()
             lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
-            self.store.append(self._record.to_record(step=self.global_step, lr=lr))
+            # the row's weight in the step's update: OLMo divides by this rank's tokens and DDP/FSDP
+            # average over the ranks, so TracIn's lr / loss_scale needs the global batch's tokens
+            record = self._record.to_record(step=self.global_step, lr=lr)
+            record.loss_scale = record.loss_scale * _world_size()
+            self.store.append(record)
             self._rows_captured += len(self._record.ids)
             self._record = None
             stats = self.store.stats
@@ -458,7 +465,8 @@ class TDATrainer(Trainer):
                              "torch": torch.random.get_rng_state()}}
         if self.store is not None:
             state["tda"] = {"store": str(self.store.path), "step": self.global_step,
-                            "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id}
+                            "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id,
+                            "reached": self.store.reached()}     # flushed: this rank's rows up to here
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
         if self.selector is not None:       # what a resume's log must hold to replay this step's order
@@ -481,6 +489,7 @@ class TDATrainer(Trainer):
                               f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
         if self.store is not None:          # another run's store here: refused before anything is cut
             self.store.check_resume(saved, self.global_step)
+            self._check_rows_reach(saved)
         if self.selector is not None:
             self._check_selection_log(state_dict.get("tda_selection"))
         if self.trajectory is not None:     # drops the abandoned run's later checkpoints
@@ -495,6 +504,28 @@ class TDATrainer(Trainer):
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
         cut_departed_ranks(self.store, self.global_step)     # resumed on fewer ranks: the others' later rows too
+
+    def _check_rows_reach(self, saved: dict[str, Any] | None) -> None:
+        """Refuse a checkpoint whose run's rows up to its step are no longer in the store: a later
+        rollback to an earlier checkpoint cut them, so this one is of the abandoned timeline (e.g.
+        ``try_load_latest_save`` picking it because the rollback run has not reached its step). Its
+        own rows would be missing, leaving a gap the resumed run never fills. Rank 0 decides (its
+        checkpoint state and shards); every rank raises alike."""
+        outcome: list[Any] = [None]
+        if _rank() == 0 and saved and saved.get("reached") is not None \
+                and saved.get("store_id") == self.store.store_id:
+            want, step = min(int(saved["reached"]), self.global_step), self.global_step
+            have = self.store.reached(step)
+            if have is None or have < want:
+                outcome = [f"tda: the checkpoint of step {step} was saved when the store {self.store.path} held "
+                           f"this run's rows up to step {want}, but it now holds them only up to step {have}: a "
+                           "later resume from an earlier checkpoint cut them, so this checkpoint belongs to an "
+                           "abandoned run and resuming it would leave those steps without rows. Resume from "
+                           "the checkpoint the store continues (--load_path=...), or remove this one"]
+        if _world_size() > 1:
+            dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            raise ConfigError(outcome[0])
 
     def _cut_metrics(self, step: int) -> None:
         """Keep ``tda/metrics.jsonl``'s rows up to ``step`` (written to a temp file, then renamed)."""

@@ -146,7 +146,11 @@ class OLMoRun:
         if ckpt.projector_hash is not None and ckpt.projector_hash != self.store.meta.get("projector_hash"):
             raise ValueError(f"trajectory checkpoint {ckpt.path} was kept with projectors {ckpt.projector_hash}, "
                              f"the store has {self.store.meta.get('projector_hash')}")
-        self.model.load_state_dict(ckpt.load())
+        weights = ckpt.load()
+        try:
+            self.model.load_state_dict(weights)
+        except RuntimeError as e:                # another model's weights: size mismatch, missing keys
+            raise ValueError(f"trajectory checkpoint {ckpt.path} does not fit this run's model ({e})") from None
         self.model.eval()
 
     def train_gradients(self, ids: np.ndarray, *, batch_size: int = 64, progress: bool = False
@@ -252,6 +256,10 @@ class DeepSpeedRun(OLMoRun):
     store. The model is wrapped like ``CausalLM`` (``olmo.`` prefix) so layer names, hence
     projectors, match the store's."""
 
+    @property
+    def trajectory_path(self) -> Path:
+        return self._trajectory
+
     def __init__(self, run_dir: str | Path):
         from olmo.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig
         from olmo.model import OLMo
@@ -266,6 +274,7 @@ class DeepSpeedRun(OLMoRun):
         meta = _read_run_json(meta_file)
         self.tda = saved_tda_config(meta_file, meta["tda"])
         self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"))
+        self._trajectory = Path(self.tda.trajectory.path or _deepspeed_trajectory(self.store.path))
         model_cfg = ModelConfig(**{**meta["model"], "init_device": "cpu"})
         if model_cfg.max_sequence_length != meta["seq_len"]:
             raise ValueError(f"{self.dir}: data seq_len {meta['seq_len']} != model.max_sequence_length "
@@ -294,13 +303,18 @@ def run_outputs(path: str | Path) -> tuple[Path, Path] | None:
     for run in (Path(path), Path(path) / "run"):
         if (run / TDA_YAML).is_file():
             tda = saved_tda_config(run / TDA_YAML)
-        elif (run / RUN_JSON).is_file():
+            return (Path(tda.store.path or run / "tda" / "store"),
+                    Path(tda.trajectory.path or run / "tda" / "trajectory"))
+        if (run / RUN_JSON).is_file():
             tda = saved_tda_config(run / RUN_JSON, _read_run_json(run / RUN_JSON)["tda"])
-        else:
-            continue
-        return (Path(tda.store.path or run / "tda" / "store"),
-                Path(tda.trajectory.path or run / "tda" / "trajectory"))
+            store = Path(tda.store.path or run / "tda" / "store")
+            return store, Path(tda.trajectory.path or _deepspeed_trajectory(store))
     return None
+
+
+def _deepspeed_trajectory(store: Path) -> Path:
+    """Where ``attach`` keeps the trajectory when ``tda.trajectory.path`` is unset: beside the store."""
+    return store.parent / "trajectory"
 
 
 def _read_run_json(meta_file: Path) -> dict[str, Any]:

@@ -91,9 +91,12 @@ class GradientRecord:
     """Learning rate of that step (first parameter group): finite and >= 0 (0 for a post-hoc capture
     that took no step). TracIn weights each row by it, so a NaN here would make every score NaN."""
     loss_scale: float | np.ndarray
-    """The divisor the loop applied to the summed token loss (undone in ``grads``); kept for TracIn.
-    One number for the whole record, or float64 ``[N]`` per row when micro-batches were normalized
-    differently (e.g. a token mean per DeepSpeed micro-batch)."""
+    """The divisor between the example's summed-token-loss gradient (``grads``, the loop's own
+    normalization undone) and its share of the gradient the step applied; TracIn weights rows by
+    ``lr / loss_scale``. Under data parallelism that includes the number of ranks averaged over
+    (OLMo: tokens of the rank's batch × world size). One number for the whole record, or float64
+    ``[N]`` per row when micro-batches were normalized differently (e.g. a token mean per DeepSpeed
+    micro-batch)."""
     grads: dict[str, "torch.Tensor | LowRank"] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -273,6 +273,16 @@ class StoreWriter:
             shards = [*self._state.shards.values(), *self._other_shards]
         return sum(info.num_rows for info in shards if up_to is None or info.step_min <= up_to)
 
+    def reached(self, step: int | None = None) -> int | None:
+        """The last step of this rank's durable rows (with ``step``: the last one ``<= step``), or None
+        when it has none there. A checkpoint records it, so a resume can tell whether the rows its run
+        wrote up to its step are still here."""
+        with self._mutex:
+            shards = list(self._state.shards.values())
+        if step is None:
+            return max((info.step_max for info in shards), default=None)
+        return max((min(info.step_max, step) for info in shards if info.step_min <= step), default=None)
+
     def departed_after(self, step: int, world_size: int) -> list[int]:
         """Ranks ``>= world_size`` (of an earlier run with more ranks) holding rows after ``step``."""
         return sorted({info.rank for info in self._other_shards if info.rank >= world_size and info.step_max > step})
