@@ -1205,3 +1205,28 @@ def test_layers_of_different_float_dtypes_are_encoded_as_each_alone(tmp_path, dt
         for name in LAYERS:
             want = decode_grads(encode_grads(r.grads[name], StoreDType(dtype)), StoreDType(dtype))
             assert torch.equal(block.grads[name], want), (first, name)
+
+
+def test_float16_underflow_is_warned_once(tmp_path, caplog):
+    """float16's smallest subnormal is ~6e-8: gradients of 1e-9 are stored as 0 (read back: exactly 0,
+    the oracle), which float16 says once per writer; values it keeps say nothing, and bfloat16 keeps
+    them (float32's exponent range)."""
+    def record(step, scale):
+        gen = torch.Generator().manual_seed(step)
+        grads = {layer["name"]: torch.randn(4, *layer["shape"], generator=gen) * scale for layer in worker.LAYERS}
+        return GradientRecord(ids=np.arange(4), step=step, lr=0.1, loss_scale=1.0, grads=grads)
+
+    with caplog.at_level("WARNING"):
+        write_store(tmp_path / "ok", [record(1, 1e-3), record(2, 1e-3)], dtype="float16", flush_every=1)
+    assert "float16 stored" not in caplog.text
+    with caplog.at_level("WARNING"):
+        write_store(tmp_path / "tiny", [record(1, 1e-9), record(2, 1e-9)], dtype="float16", flush_every=1)
+    assert caplog.text.count("float16 stored") == 1 and "store.dtype=bfloat16 keeps float32's range" in caplog.text
+    block = GradientStore.open(tmp_path / "tiny").read_all()
+    assert all(float(torch.as_tensor(block.grads[n]).abs().max()) == 0 for n in LAYERS)     # all gone
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        write_store(tmp_path / "bf16", [record(1, 1e-9)], dtype="bfloat16")
+    assert "float16 stored" not in caplog.text
+    kept = GradientStore.open(tmp_path / "bf16").read_all().grads
+    assert all(float(torch.as_tensor(b).abs().min()) > 0 for b in kept.values())

@@ -110,6 +110,7 @@ class StoreWriter:
         self._window_nonfinite: list[tuple[int, np.ndarray]] = []
         self._manifest_dirty = False
         self._warned_duplicates = False
+        self._check_underflow = self.dtype is StoreDType.FLOAT16    # checked on a window's first record
         self._mutex = threading.Lock()  # guards counters/shards (read by stats) and the pending error
         self._error: StoreWriteError | None = None  # raised at the caller's next call
         self._error_retryable = False  # a failed window write: cleared once a later write succeeds
@@ -499,10 +500,24 @@ class StoreWriter:
                     np.copyto(words, r.numpy())
                 else:                                 # to bfloat16, or from bfloat16/float64: torch casts
                     words_as_torch(words, self.dtype).copy_(r)
+                if self._check_underflow and self._window.rows == 0 and r.device.type == "cpu":
+                    self._warn_underflow(r, words)
                 flat = words.reshape(n, -1)                           # a view: the window is C-ordered
                 finite_words(flat, self.dtype, out=finite[:, col:col + flat.shape[1]])
                 col += flat.shape[1]
         return ~finite.all(axis=1)
+
+    def _warn_underflow(self, values: torch.Tensor, words: np.ndarray) -> None:
+        """Warn once when float16 stored more than 1% of a layer's nonzero values as 0 (below its
+        smallest subnormal, ~6e-8): those gradients are gone, where bfloat16 keeps float32's range."""
+        nonzero = values.reshape(-1) != 0
+        zeroed = int((torch.from_numpy(words.reshape(-1) == 0) & nonzero).sum())
+        total = int(nonzero.sum())
+        if total and zeroed > 0.01 * total:
+            self._check_underflow = False
+            logger.warning("gradient store %s: float16 stored %d of %d nonzero gradient values as 0 (%.1f%%: "
+                           "smaller than float16's ~6e-8); store.dtype=bfloat16 keeps float32's range (logged "
+                           "once)", self.path, zeroed, total, 100 * zeroed / total)
 
     def _finite_scratch(self, n: int) -> np.ndarray:
         """A bool ``[n, Σ]`` scratch mask (Σ: the words of one row over all layers), reused."""
