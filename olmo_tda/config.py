@@ -331,8 +331,13 @@ class TrajectoryRetention(str, enum.Enum):
     LAST = "last"
     """Keep the newest ``keep``."""
     THINNED = "thinned"
-    """Keep ``keep`` spread over the whole run: drop the one whose removal leaves the shortest gap
-    between its neighbours (never the first or the newest)."""
+    """Spread over the whole run: number the saves 0, 1, 2, ... in the order they are made (the count
+    survives resumes); after save n, keep the saves whose number is a multiple of 2^j, for the
+    smallest j that leaves at most ``keep - 1`` of them in 0..n, plus save n itself. Once more than
+    ``keep - 1`` saves were made (before, all are kept) that is between ``keep / 2`` and ``keep``
+    checkpoints, the first and the newest among them, 2^j saves apart (the newest closer): at most twice
+    the spacing of ``keep`` evenly spaced saves. A dropped checkpoint is never one a later save would
+    keep, so a resumed run ends with the checkpoints of an uninterrupted one."""
 
 
 @dataclass(kw_only=True)
@@ -349,7 +354,7 @@ class TrajectoryConfig:
     retention: TrajectoryRetention = TrajectoryRetention.ALL
     """all | last | thinned."""
     keep: int = 0
-    """How many checkpoints ``last``/``thinned`` keep (>= 2)."""
+    """How many checkpoints ``last`` keeps, and the most ``thinned`` keeps (>= 2)."""
     dtype: StoreDType = StoreDType.FLOAT32
     """Dtype of the saved weights (float32 | float16 | bfloat16)."""
     path: str | None = None

@@ -32,7 +32,8 @@ QUERIES = ["The for statement is used to iterate over the elements", "Return the
 
 def _train(tmp: Path, run: str, steps: int, *extra: str) -> Path:
     args = [f"--data.paths=[{tmp / 'data' / 'train.npy'}]", f"--save_folder={tmp / run}", f"--max_duration={steps}",
-            f"--stop_at={steps}", f"--model.d_model={D_MODEL}", "--model.n_heads=4", f"--model.max_sequence_length={SEQ}",
+            f"--stop_at={steps}", f"--model.d_model={D_MODEL}", "--model.n_heads=4",
+            f"--model.max_sequence_length={SEQ}",
             f"--global_train_batch_size={GBS}", "--device_train_microbatch_size=4", "--console_log_interval=1000",
             f"--save_interval_unsharded={steps}", "--tda.store.dtype=float32", "--tda.trajectory.enabled=true", *extra]
     cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
@@ -230,7 +231,7 @@ def test_trajectory_schedule_and_retention(tmp_path):
     lrs = {s: (1e-3 if s <= 20 else 1e-4) for s in range(71)}   # 10x lower lr: 10x sparser
     assert kept(TrajectoryConfig(enabled=True, every=5, schedule="lr"), range(0, 71), lrs) == [0, 5, 10, 15, 20, 70]
     assert kept(TrajectoryConfig(enabled=True, every=10, retention="last", keep=3), range(0, 51)) == [30, 40, 50]
-    assert kept(TrajectoryConfig(enabled=True, every=10, retention="thinned", keep=3), range(0, 51)) == [0, 20, 50]
+    assert kept(TrajectoryConfig(enabled=True, every=10, retention="thinned", keep=3), range(0, 51)) == [0, 40, 50]
     half = kept(TrajectoryConfig(enabled=True, every=10, dtype="bfloat16"), [0])
     assert half == [0]
 
@@ -443,3 +444,111 @@ def test_inrun_tracin_counts_an_example_trained_twice_in_a_step_twice(tmp_path):
     assert ids.tolist() == [0, 1, 2]
     want = torch.stack([0.1 / 2 * dot[0], 0.1 / 2 * dot[1], 0.1 / 2 * dot[2] + 0.1 / 4 * dot[3]])
     assert rel_err(scores[0], want) < 1e-6
+
+
+def _cached_pass(tmp_path, steps=(0, 1, 2)):
+    """Checkpoints whose "gradients" are their weights, scored by TracIn-CP with a resume cache: returns
+    a function running one pass ``-> (scores, ids, checkpoint steps recomputed)`` and the brute-force scores."""
+    traj = Trajectory(TrajectoryConfig(enabled=True, every=1), tmp_path / "traj")
+    written = {s: _weights(s) for s in steps}
+    for s, w in written.items():
+        traj.save(s, w, lrs=[0.1 * (s + 1)], tokens_seen=0)
+    scale = torch.arange(1.0, 5.0)
+
+    def score():
+        calls = []
+
+        def train_at(c):
+            calls.append(c.step)
+            yield np.arange(4), {"w": c.load()["w"][None].repeat(4, 1, 1) * scale[:, None, None]}
+
+        got, ids = tracin_cp(Trajectory.list(traj.path), lambda c: {"w": c.load()["w"][None]}, train_at,
+                             layers=["w"], work_dir=tmp_path / "work", fingerprint={"q": 1})
+        return got, ids, calls
+
+    want = sum(0.1 * (s + 1) * (w["w"].double() ** 2).sum() * scale.double() for s, w in written.items())
+    return score, want
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "no_scores", "nan"])
+def test_a_damaged_cache_file_is_recomputed_with_a_warning(tmp_path, caplog, damage):
+    """A cached per-checkpoint score file cut short, overwritten or without its arrays is treated as
+    absent: recomputed (that checkpoint only), warned naming the file, and cached again; so is one
+    holding NaN scores (cached before they were refused)."""
+    score, want = _cached_pass(tmp_path)
+    got, _, calls = score()
+    assert calls == [0, 1, 2] and rel_err(got[0], want) < 1e-6
+    (part,) = (tmp_path / "work").rglob("step00000001-*.npz")
+    if damage == "truncated":
+        os.truncate(part, 100)
+    elif damage == "garbage":
+        part.write_bytes(b"not a zip file" * 50)
+    elif damage == "empty":
+        part.write_bytes(b"")
+    elif damage == "no_scores":
+        with open(part, "wb") as f:
+            np.savez(f, other=np.zeros(3))
+    else:
+        with open(part, "wb") as f:
+            np.savez(f, scores=np.full((1, 4), np.nan), ids=np.arange(4))
+    with caplog.at_level("WARNING", logger="olmo_tda.methods.tracin"):
+        again, _, calls = score()
+    assert calls == [1] and torch.equal(again, got)
+    assert f"cached scores {part} are damaged" in caplog.text
+    assert score()[2] == []                                 # the rewritten file is good
+
+
+def test_two_identical_queries_writing_the_same_cache_file_at_once_both_succeed(tmp_path, monkeypatch):
+    """A second query (another process or thread) writes the same checkpoint's scores while the first is
+    between opening its temporary file and renaming it: both finish with the right scores, leaving one
+    valid cache file and no temporary files."""
+    score, want = _cached_pass(tmp_path, steps=(0,))
+    real_savez, written_to = np.savez, []
+
+    def interleaved_savez(f, **arrays):
+        written_to.append(f.name)
+        if len(written_to) == 1:                             # the other writer runs to completion now
+            other, _, _ = score()
+            assert rel_err(other[0], want) < 1e-6
+        real_savez(f, **arrays)
+
+    monkeypatch.setattr(np, "savez", interleaved_savez)
+    got, _, _ = score()
+    assert rel_err(got[0], want) < 1e-6
+    assert len(written_to) == 2 and written_to[0] != written_to[1]
+    files = sorted(p.name for p in (tmp_path / "work").rglob("*") if p.is_file())
+    assert len(files) == 2 and files[0] == "key.json" and files[1].startswith("step00000000-")
+    monkeypatch.setattr(np, "savez", real_savez)
+    again, _, calls = score()
+    assert calls == [] and torch.equal(again, got)
+
+
+def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    score, _ = _cached_pass(tmp_path, steps=(0,))
+
+    def disk_full(f, **arrays):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(np, "savez", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        score()
+    assert [p.name for p in (tmp_path / "work").rglob("*") if p.is_file()] == ["key.json"]
+
+
+def test_non_finite_scores_are_refused_naming_the_checkpoint_and_never_cached(tmp_path):
+    """Gradients that overflowed at one checkpoint (the weights themselves are finite) give NaN/inf
+    scores: refused, naming that checkpoint, rather than ranked; nothing is cached for it."""
+    traj = Trajectory(TrajectoryConfig(enabled=True, every=1), tmp_path / "traj")
+    ckpts = [traj.save(s, _weights(s), lrs=[0.1], tokens_seen=0) for s in range(3)]
+
+    def train_at(c):
+        g = c.load()["w"][None].repeat(2, 1, 1)
+        if c.step == 1:
+            g[1, 0, 0] = float("inf")                       # inf * 0 or inf - inf: NaN in the dot
+        yield np.arange(2), {"w": g}
+
+    with pytest.raises(ValueError, match=r"scores at checkpoint step 1 \(.*step00000001\)"):
+        tracin_cp(ckpts, lambda c: {"w": c.load()["w"][None]}, train_at, layers=["w"],
+                  work_dir=tmp_path / "work", fingerprint={"q": 1})
+    assert sorted(p.name[:12] for p in (tmp_path / "work").rglob("*.npz")) == ["step00000000"]

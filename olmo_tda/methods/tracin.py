@@ -9,7 +9,8 @@ row. Shapes: Q queries, n examples in a batch, D_l the flattened width of layer 
   at every checkpoint through the run's own projectors; the per-checkpoint ``[Q, N]`` scores are
   written atomically under a work directory named by everything they depend on, one file per
   checkpoint named by its step and content id, so an interrupted pass resumes where it stopped and a
-  rewritten checkpoint is scored again.
+  rewritten checkpoint is scored again. A damaged file there is recomputed; non-finite scores are
+  refused, naming the checkpoint, rather than ranked.
 - **In-run TracIn**: ``score(q, z) = Σ_{s: z used at s} (η_s / loss_scale_s) ⟨ĝ(θ_c(s), q), ĝ_z,s⟩``,
   with ``ĝ_z,s`` the gradient captured while training (at θ_{s-1}) and ``c(s)`` the kept checkpoint
   nearest to θ_{s-1}. With a checkpoint at every step it is exactly the first-order TracIn-ideal of
@@ -28,6 +29,8 @@ import hashlib
 import json
 import logging
 import os
+import uuid
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -69,6 +72,52 @@ def nearest_checkpoint(steps: np.ndarray, checkpoint_steps: Sequence[int]) -> np
     return np.where(np.abs(ck[left] - at) <= np.abs(ck[right] - at), left, right)
 
 
+def _where(ckpt: Any) -> str:
+    """A checkpoint named for an error message: its step, and its folder when it has one."""
+    path = getattr(ckpt, "path", None)
+    return f"checkpoint step {ckpt.step}" + (f" ({path})" if path is not None else "")
+
+
+def _check_finite(values: torch.Tensor, what: str) -> None:
+    """Refuse NaN/inf ``values`` (``what``: whose, for the message): ranked, they give a silent wrong answer."""
+    if not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).sum())
+        raise ValueError(f"tracin: {what}: {bad} of {values.numel()} values are NaN/inf (weights or gradients "
+                         f"overflowed or are damaged); refusing to rank them")
+
+
+def _read_scores(part_file: Path) -> tuple[torch.Tensor, np.ndarray] | None:
+    """Cached ``(scores [Q, N], ids [N])``, or None for a file that is missing or damaged (warned and
+    removed: it is recomputed)."""
+    try:
+        with np.load(part_file, allow_pickle=False) as saved:
+            scores, ids = saved["scores"], saved["ids"]
+        if scores.ndim != 2 or ids.ndim != 1 or scores.shape[1] != len(ids):
+            raise ValueError(f"scores {scores.shape} and ids {ids.shape} do not match")
+        if not np.isfinite(scores).all():       # cached before non-finite scores were refused
+            raise ValueError("non-finite scores")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        log.warning("tracin: cached scores %s are damaged (%s: %s): recomputing them", part_file, type(e).__name__, e)
+        part_file.unlink(missing_ok=True)
+        return None
+    return torch.from_numpy(scores), ids
+
+
+def _write_scores(part_file: Path, scores: torch.Tensor, ids: np.ndarray) -> None:
+    """Atomically, under a temporary name of this writer's own (two identical queries may run at once)."""
+    tmp = part_file.with_name(f".{part_file.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, scores=scores.numpy(), ids=ids)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, part_file)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def tracin_inrun(store: Any, query_grads_at: Callable[[int], Grads], checkpoint_steps: Sequence[int], *,
                  layers: Iterable[str] | None = None, block_size: int | None = None,
                  progress: Callable[[int], None] | None = None) -> tuple[torch.Tensor, np.ndarray]:
@@ -83,11 +132,14 @@ def tracin_inrun(store: Any, query_grads_at: Callable[[int], Grads], checkpoint_
     acc: torch.Tensor | None = None
     for block in store.iter_blocks(layers=chosen, block_size=block_size):
         which = nearest_checkpoint(block.steps, ck)
-        weight = torch.from_numpy(np.asarray(block.lr, dtype=np.float64) / np.asarray(block.loss_scale, dtype=np.float64))
+        weight = torch.from_numpy(np.asarray(block.lr, dtype=np.float64)
+                                  / np.asarray(block.loss_scale, dtype=np.float64))
         scores = None
         for c in np.unique(which):
             if ck[c] not in cache:
                 cache[ck[c]] = query_grads_at(ck[c])
+                for name in chosen:
+                    _check_finite(cache[ck[c]][name], f"query gradients of layer {name} at checkpoint step {ck[c]}")
             rows = np.flatnonzero(which == c)
             part = _flat_dot(cache[ck[c]], {n: block.grads[n][rows] for n in chosen}, chosen)
             if scores is None:
@@ -146,9 +198,9 @@ def tracin_cp(checkpoints: Sequence[Any], query_grads_at: Callable[[Any], Grads]
             for stale in state_dir.glob(f"step{int(ckpt.step):08d}-*.npz"):   # scores of a rewritten checkpoint
                 if stale != part_file:
                     stale.unlink(missing_ok=True)
-        if part_file is not None and part_file.exists():
-            with np.load(part_file, allow_pickle=False) as saved:
-                scores, ids = torch.from_numpy(saved["scores"]), saved["ids"]
+        cached = _read_scores(part_file) if part_file is not None else None
+        if cached is not None:
+            scores, ids = cached
             log.info("tracin: checkpoint step %d already scored (%s)", ckpt.step, part_file)
         else:
             queries = query_grads_at(ckpt)
@@ -157,13 +209,11 @@ def tracin_cp(checkpoints: Sequence[Any], query_grads_at: Callable[[Any], Grads]
                 parts.append(_flat_dot(queries, grads, layers))
                 id_parts.append(np.asarray(ids_n, dtype=np.int64))
             scores, ids = torch.cat(parts, dim=1), np.concatenate(id_parts)
-            if part_file is not None:
-                tmp = part_file.with_name(f".{part_file.name}.tmp")
-                with open(tmp, "wb") as f:
-                    np.savez(f, scores=scores.numpy(), ids=ids)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, part_file)
+        _check_finite(scores, f"scores at {_where(ckpt)}")      # never cached, never ranked
+        if cached is None and part_file is not None:
+            _write_scores(part_file, scores, ids)
+        if not np.isfinite(float(ckpt.tracin_lr)):
+            raise ValueError(f"tracin: {_where(ckpt)} has a non-finite learning rate {ckpt.tracin_lr} in its meta.json")
         if ids_ref is None:
             ids_ref = ids
         elif not np.array_equal(ids, ids_ref):

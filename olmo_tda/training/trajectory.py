@@ -3,19 +3,28 @@
 Layout (one directory per kept checkpoint, written to ``*.tmp`` and renamed when complete)::
 
     <path>/step00000040/model.safetensors   full weights (dtype from the config), names as in the model
-    <path>/step00000040/meta.json           step, tokens_seen, lrs (per parameter group), next_lrs,
-                                            data_order_version, projector_hash, dtype, bytes, write_id
+    <path>/step00000040/meta.json           step, ordinal, tokens_seen, lrs (per parameter group),
+                                            next_lrs, next_lrs_step, data_order_version, projector_hash,
+                                            dtype, bytes, write_id
+
+Only folders named exactly ``step`` + 8 digits whose meta.json agrees on the step are checkpoints;
+anything else there (a copy such as ``step00000040.bak``) is ignored.
 
 A checkpoint "at step s" holds the weights *after* optimizer step s (θ_s); step 0 is the initial
 weights. The gradient the store keeps for step s was taken at θ_{s-1}. ``lrs`` are the learning
-rates of step s (for θ_0, which no step made: step 1's); ``next_lrs`` those of step s+1, the step
-that used gradients at θ_s, written when that step is taken (null while it has not been): the η
-TracIn-CP weights θ_s by (:attr:`TrajectoryCheckpoint.tracin_lr`). ``write_id`` is new at every
-write, so a rewritten checkpoint never passes for the old one (:meth:`TrajectoryCheckpoint.content_id`).
+rates of step s (for θ_0, which no step made: step 1's); ``next_lrs`` those of the next step taken
+after s (s+1, or later when steps in between were skipped, like DeepSpeed's fp16 overflow steps),
+the step that used gradients at θ_s, written when that step (``next_lrs_step``) is taken (null while
+it has not been): the η TracIn-CP weights θ_s by (:attr:`TrajectoryCheckpoint.tracin_lr`).
+``ordinal`` counts the run's saves (0, 1, 2, ... in the order they were made, over resumes);
+retention ``thinned`` keeps by it. ``write_id`` is new at every write, so a rewritten checkpoint
+never passes for the old one (:meth:`TrajectoryCheckpoint.content_id`).
 
 Resume: checkpoints past the step a run resumes from belong to the abandoned timeline and are
-removed, and the ``lr`` schedule's running sums come back from :meth:`Trajectory.state_dict` saved
-with the training checkpoint, so a resumed run keeps exactly the steps an uninterrupted one keeps.
+removed, and the ``lr`` schedule's running sums and the save count come back from
+:meth:`Trajectory.state_dict` saved with the training checkpoint, so a resumed run keeps exactly the
+steps an uninterrupted one keeps (``thinned``: once it has passed the step where the old run stopped,
+since a checkpoint thinning drops is never one it would keep later).
 
 Example::
 
@@ -33,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -74,6 +84,10 @@ class TrajectoryCheckpoint:
     bytes: int
     next_lrs: list[float] | None = None
     write_id: str | None = None
+    ordinal: int | None = None
+    """The run's save count before this save (None: written before ordinals were kept)."""
+    next_lrs_step: int | None = None
+    """The step whose lrs are ``next_lrs`` (None: not yet taken, or written before this was kept)."""
 
     @property
     def lr(self) -> float:
@@ -103,25 +117,34 @@ class TrajectoryCheckpoint:
         return f"{self.write_id}:{stat.st_size}:{stat.st_mtime_ns}:{hashlib.sha256(ends).hexdigest()[:32]}"
 
     def load(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-        """The weights as a state dict (no pickle: safetensors), cast to ``dtype``."""
+        """The weights as a state dict (no pickle: safetensors), cast to ``dtype``. Raises
+        :class:`TrajectoryError` for an unreadable file or non-finite weights (which would turn every
+        TracIn score NaN: a silent wrong ranking)."""
         from safetensors.torch import load_file
 
         try:
             weights = load_file(str(self.path / "model.safetensors"), device="cpu")
         except Exception as e:   # safetensors raises its own error types for truncated/corrupt files
             raise TrajectoryError(f"trajectory checkpoint {self.path}: cannot read model.safetensors ({e})") from None
+        for name, tensor in weights.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise TrajectoryError(f"trajectory checkpoint {self.path}: tensor {name!r} of model.safetensors holds "
+                                      f"{bad} non-finite (NaN/inf) values: the weights are damaged or the run "
+                                      f"diverged; restore or remove this checkpoint")
         return {k: v.to(dtype) for k, v in weights.items()}
 
     @classmethod
     def read(cls, path: Path) -> "TrajectoryCheckpoint":
         try:
             meta = json.loads((path / "meta.json").read_text())
-            next_lrs = meta.get("next_lrs")
+            next_lrs, ordinal, next_lrs_step = meta.get("next_lrs"), meta.get("ordinal"), meta.get("next_lrs_step")
             return cls(path=path, step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
                        lrs=[float(x) for x in meta["lrs"]], data_order_version=int(meta["data_order_version"]),
                        projector_hash=meta.get("projector_hash"), dtype=str(meta["dtype"]), bytes=int(meta["bytes"]),
                        next_lrs=None if next_lrs is None else [float(x) for x in next_lrs],
-                       write_id=meta.get("write_id"))
+                       write_id=meta.get("write_id"), ordinal=None if ordinal is None else int(ordinal),
+                       next_lrs_step=None if next_lrs_step is None else int(next_lrs_step))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TrajectoryError(f"trajectory checkpoint {path}: unreadable meta.json ({e})") from None
 
@@ -146,6 +169,8 @@ class Trajectory:
         self._lr_since = 0.0
         self._lr_peak = 0.0
         self._last_step: int | None = None    # the last step due() saw: the state's step
+        self._saves: int | None = None        # saves so far (the next ordinal); None: count from the folder
+        self._awaiting: int | None = None     # rank 0: the newest checkpoint while no later step was taken
         self._started = False                 # maybe_save or resume has run in this process
         if rank == 0:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -177,16 +202,19 @@ class Trajectory:
         step. ``state`` may be a callable (gathering FSDP/ZeRO weights is collective: every rank must
         call this with the same step; only rank 0 writes). Unless :meth:`resume` ran, the process's
         first call removes the checkpoints at ``step`` and later (another timeline's); a checkpoint
-        found at a due step is overwritten, never kept. Also records ``lrs`` as the ``next_lrs`` of a
-        checkpoint at ``step - 1``."""
+        found at a due step is overwritten, never kept. Also records ``lrs`` as the ``next_lrs`` of the
+        newest earlier checkpoint if no step since it has (step ``step - 1``'s, or an older one's when
+        the steps between were skipped)."""
         if not self._started:
             self._start(step)
-        if self.rank == 0 and step > 0:
-            self._record_next_lrs(step - 1, lrs)
+        if self.rank == 0 and step > 0 and self._awaiting is not None and self._awaiting < step:
+            self._record_next_lrs(self._awaiting, lrs, step)
+            self._awaiting = None
         if not self.due(step, lrs[0] if lrs else 0.0):
             return None
         weights = state() if callable(state) else state
         if self.rank != 0:
+            self._saves = self._save_count() + 1     # counted on every rank, so every rank's state agrees
             return None
         return self.save(step, weights, lrs=lrs, tokens_seen=tokens_seen)
 
@@ -194,8 +222,9 @@ class Trajectory:
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's state after the last step seen (plain types): save it with every training
-        checkpoint and pass it to :meth:`resume` when restoring that checkpoint."""
-        return {"step": self._last_step, "lr_since": self._lr_since, "lr_peak": self._lr_peak}
+        checkpoint and pass it to :meth:`resume` when restoring that checkpoint. ``saves`` is the number
+        of checkpoints saved so far (``thinned`` keeps by it)."""
+        return {"step": self._last_step, "lr_since": self._lr_since, "lr_peak": self._lr_peak, "saves": self._saves}
 
     def resume(self, step: int, state: Mapping[str, Any] | None = None) -> None:
         """After restoring a training checkpoint at ``step``, before the next :meth:`maybe_save`
@@ -215,16 +244,25 @@ class Trajectory:
             log.warning("tda.trajectory: resuming at step %d without the schedule's saved state: schedule 'lr' "
                         "restarts its sums, so later checkpoints may fall on other steps than an uninterrupted "
                         "run's", step)
+        saves = None if state is None else state.get("saves")   # states from before save counts: None
+        if saves is None and self.config.retention == TrajectoryRetention.THINNED and step > 0:
+            log.warning("tda.trajectory: resuming at step %d without the saved count of checkpoints: retention "
+                        "'thinned' counts on from the newest kept one, so it may keep other checkpoints than an "
+                        "uninterrupted run", step)
         self._started = True
+        self._saves = None if saves is None else int(saves)
         if self.rank == 0:
             self._drop_after(step)
+            self._awaiting = self._awaiting_after(step)
 
     def _start(self, step: int) -> None:
         """First maybe_save without :meth:`resume`: the run is at ``step`` (a fresh run at 0, a resumed
         one past its checkpoint), so checkpoints at ``step`` and later are another timeline's."""
         self._started = True
+        self._saves = None
         if self.rank == 0:
             self._drop_after(step - 1)
+            self._awaiting = self._awaiting_after(step - 1)
         if step > 1 and self.config.schedule == TrajectorySchedule.LR:
             log.warning("tda.trajectory: first step %d without Trajectory.resume(step, state): schedule 'lr' "
                         "starts its sums from zero, so checkpoints may fall on other steps than an "
@@ -232,8 +270,8 @@ class Trajectory:
 
     def _drop_after(self, step: int) -> None:
         """Remove the checkpoints past ``step`` (an abandoned timeline; never listed half-removed)."""
-        dropped = sorted(int(p.name[4:]) for p in self.path.iterdir()
-                         if p.is_dir() and p.name[:4] == "step" and p.name[4:].isdigit() and int(p.name[4:]) > step)
+        dropped = sorted(s for p in self.path.iterdir() if p.is_dir()
+                         and (s := _dir_step(p.name)) is not None and s > step)
         for s in dropped:
             trash = self.path / (_dirname(s) + ".tmp")
             shutil.rmtree(trash, ignore_errors=True)
@@ -243,13 +281,32 @@ class Trajectory:
             _fsync(self.path)
             log.info("tda.trajectory: removed checkpoints %s past step %d (the resumed run redoes them)", dropped, step)
 
-    def _record_next_lrs(self, step: int, lrs: list[float]) -> None:
+    def _awaiting_after(self, step: int) -> int | None:
+        """The checkpoint whose ``next_lrs`` the next step taken after ``step`` sets: the newest at or
+        before ``step``, unless a step up to ``step`` set them (one past it is the abandoned timeline's)."""
+        kept = [c for c in self.list(self.path) if c.step <= step]
+        if not kept:
+            return None
+        newest = kept[-1]
+        by = newest.next_lrs_step if newest.next_lrs_step is not None else newest.step + 1   # older meta: s+1
+        return newest.step if newest.next_lrs is None or by > step else None
+
+    def _save_count(self) -> int:
+        """Saves made so far: the state's count, or else one past the newest kept ordinal (rank 0)."""
+        if self._saves is None:
+            ordinals = [c.ordinal for c in self.list(self.path) if c.ordinal is not None] if self.rank == 0 else []
+            self._saves = max(ordinals) + 1 if ordinals else 0
+        return self._saves
+
+    def _record_next_lrs(self, step: int, lrs: list[float], by_step: int) -> None:
+        """Checkpoint ``step``'s next_lrs are ``lrs``, those of step ``by_step``, the next step taken."""
         meta_file = self.path / _dirname(step) / "meta.json"
         if not meta_file.exists():
             return
-        lrs = [float(x) for x in lrs]
-        if json.loads(meta_file.read_text()).get("next_lrs") != lrs:
-            self._rewrite_meta(step, next_lrs=lrs)
+        fields = {"next_lrs": [float(x) for x in lrs], "next_lrs_step": int(by_step)}
+        meta = json.loads(meta_file.read_text())
+        if any(meta.get(k) != v for k, v in fields.items()):
+            self._rewrite_meta(step, **fields)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -266,10 +323,11 @@ class Trajectory:
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
         save_file(tensors, str(tmp / "model.safetensors"))
         nbytes = (tmp / "model.safetensors").stat().st_size
-        meta = {"step": int(step), "tokens_seen": int(tokens_seen), "lrs": [float(x) for x in lrs],
-                "next_lrs": None, "data_order_version": int(self.data_order_version),
+        ordinal = self._save_count()
+        meta = {"step": int(step), "ordinal": ordinal, "tokens_seen": int(tokens_seen), "lrs": [float(x) for x in lrs],
+                "next_lrs": None, "next_lrs_step": None, "data_order_version": int(self.data_order_version),
                 "projector_hash": self.projector_hash, "dtype": StoreDType(self.config.dtype).value,
-                "bytes": nbytes, "write_id": uuid.uuid4().hex, "format_version": 2}
+                "bytes": nbytes, "write_id": uuid.uuid4().hex, "format_version": 3}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for f in tmp.iterdir():
             _fsync(f)
@@ -281,7 +339,9 @@ class Trajectory:
         os.replace(tmp, final)
         _fsync(self.path)
         shutil.rmtree(old, ignore_errors=True)
-        self._retain()
+        self._saves = ordinal + 1
+        self._awaiting = int(step)
+        self._retain(ordinal)
         return TrajectoryCheckpoint.read(final)
 
     def set_lrs(self, step: int, lrs: list[float]) -> None:
@@ -299,33 +359,50 @@ class Trajectory:
         os.replace(tmp, meta_file)
         _fsync(meta_file.parent)
 
-    def _retain(self) -> None:
+    def _retain(self, newest: int) -> None:
+        """Apply the retention after the save with ordinal ``newest``."""
         cfg = self.config
-        kept = self.list(self.path)
-        if cfg.retention == TrajectoryRetention.ALL or len(kept) <= cfg.keep:
+        if cfg.retention == TrajectoryRetention.ALL:
             return
-        while len(kept) > cfg.keep:
-            if cfg.retention == TrajectoryRetention.LAST:
-                drop = kept[0]
-            else:   # thinned: the one whose removal leaves the shortest gap; never the first or the newest
-                gaps = [(kept[i + 1].step - kept[i - 1].step, i) for i in range(1, len(kept) - 1)]
-                drop = kept[min(gaps)[1]]
+        kept = self.list(self.path)
+        if cfg.retention == TrajectoryRetention.LAST:
+            drops = kept[:max(len(kept) - cfg.keep, 0)]
+        else:
+            legacy = [c.step for c in kept if c.ordinal is None]
+            if legacy:
+                _warn_once(f"tda.trajectory: checkpoints {legacy} in {self.path} were written before save ordinals "
+                           f"were kept: retention 'thinned' leaves them alone")
+            stride = _thinned_stride(newest, cfg.keep)
+            drops = [c for c in kept if c.ordinal is not None and c.ordinal % stride and c.ordinal != newest]
+        for drop in drops:
             trash = drop.path.with_name(drop.path.name + ".tmp")
             os.replace(drop.path, trash)      # gone from listings at once, even if the delete is cut off
             shutil.rmtree(trash, ignore_errors=True)
-            kept = [c for c in kept if c.path != drop.path]
 
     # -- reading -----------------------------------------------------------------------------------
 
     @staticmethod
     def list(path: str | os.PathLike) -> list[TrajectoryCheckpoint]:
-        """Kept checkpoints, oldest first. Raises :class:`TrajectoryError` if ``path`` has none."""
+        """Kept checkpoints, oldest first: the folders named exactly ``step`` + 8 digits whose meta.json
+        has that step. Others (a copy like ``step00000004.bak``, a folder renamed by hand) are ignored,
+        with a warning. Raises :class:`TrajectoryError` if ``path`` is not a folder."""
         path = Path(path)
         if not path.is_dir():
             raise TrajectoryError(f"no trajectory at {path}: enable tda.trajectory in the run to keep checkpoints")
-        return sorted((TrajectoryCheckpoint.read(p) for p in path.iterdir()
-                       if p.is_dir() and p.name.startswith("step") and not p.name.endswith(".tmp")),
-                      key=lambda c: c.step)
+        kept = []
+        for p in path.iterdir():
+            step = _dir_step(p.name)
+            if step is None or not p.is_dir():
+                if p.name.startswith("step") and not p.name.endswith(".tmp"):
+                    _warn_once(f"tda.trajectory: {p} is not a checkpoint folder (named step + 8 digits): ignored")
+                continue
+            ckpt = TrajectoryCheckpoint.read(p)
+            if ckpt.step != step:
+                _warn_once(f"tda.trajectory: {p} holds meta.json of step {ckpt.step}, not {step}: ignored "
+                           f"(a folder renamed or copied by hand?)")
+                continue
+            kept.append(ckpt)
+        return sorted(kept, key=lambda c: c.step)
 
     @staticmethod
     def summary(path: str | os.PathLike) -> dict[str, Any]:
@@ -337,6 +414,29 @@ class Trajectory:
 
 def _dirname(step: int) -> str:
     return f"step{step:08d}"
+
+
+def _dir_step(name: str) -> int | None:
+    """The step of a checkpoint folder name, or None unless ``name`` is exactly ``_dirname(step)``."""
+    digits = name[4:]
+    if name[:4] != "step" or not (digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits) if _dirname(int(digits)) == name else None
+
+
+def _thinned_stride(newest: int, keep: int) -> int:
+    """Retention ``thinned`` after the save with ordinal ``newest``: keep the ordinals that are multiples
+    of the returned 2^j (j the smallest leaving at most ``keep - 1`` of them in 0..newest) and ``newest``.
+    j only grows with ``newest``, so a checkpoint dropped is never one a later save would keep."""
+    stride = 1
+    while newest // stride + 1 > keep - 1:
+        stride *= 2
+    return stride
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _fsync(path: Path) -> None:
