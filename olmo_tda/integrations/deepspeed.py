@@ -422,12 +422,16 @@ class DeepSpeedTDA:
     # -- engine facts ------------------------------------------------------------------------------
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
-        """Full weights of every parameter and buffer; ZeRO-3 partitions are gathered (collective)."""
+        """Full weights of every parameter and buffer; ZeRO-3 partitions are gathered (collective: every
+        rank gathers). Only rank 0, which writes the trajectory, copies them to host memory; the other
+        ranks get an empty dict (a model-sized CPU copy per rank could exhaust a node's memory)."""
         import deepspeed
 
         module = self.engine.module
         params = list(module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=int(self.engine.zero_optimization_stage()) == 3):
+            if _rank() != 0:
+                return {}
             return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
 
     def _gas(self) -> int:

@@ -279,7 +279,9 @@ class Influence:
                               "ratio": self.damping_ratio, "rank": self.rank, "oversample": self.oversample,
                               "iterations": self.iterations, "seed": self.seed, "joint_rank": self.joint_rank,
                               "format": 3}, sort_keys=True)
-        state = json.dumps(sorted((s.rank, s.seq, s.num_rows, s.bytes) for s in shards))
+        meta = getattr(store, "meta", {})
+        state = json.dumps([meta.get("store_id"), meta.get("projector_hash"),
+                            sorted((s.rank, s.seq, s.num_rows, s.bytes) for s in shards)])
         # influence-<options>-<store state>: a newer state of the store replaces the file of an older one
         return Path(root) / "cache" / (f"influence-{hashlib.sha256(options.encode()).hexdigest()[:16]}-"
                                        f"{hashlib.sha256(state.encode()).hexdigest()[:16]}.safetensors")
