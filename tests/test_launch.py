@@ -25,6 +25,7 @@ SCRIPTS = [SBATCH, LOCAL]
 LOCAL_ARGS = LAUNCH / "_local_args.sh"   # sourced by both local launchers
 
 FAKE_HOSTS = ["gpu-a17", "gpu-a18"]
+RESUME = "--try_load_latest_save=true"   # slurm_olmo.sbatch's first override: a requeued job resumes
 JOB_ID = 12345
 PORT = 29500 + JOB_ID % 1000  # the documented derivation: 29845
 
@@ -160,7 +161,8 @@ def test_slurm_dry_run_renders_multinode_torchrun(fake):
     assert (args.rdzv_backend, args.rdzv_id) == ("c10d", str(JOB_ID))
     assert args.rdzv_endpoint == f"{FAKE_HOSTS[0]}:{PORT}" == "gpu-a17:29845"
     assert args.module and args.training_script == "olmo_tda.cli"
-    assert args.training_script_args == ["train", str(fake.config), *overrides]
+    # a requeued job reruns this command: it resumes from the latest checkpoint (a first start: fresh)
+    assert args.training_script_args == ["train", str(fake.config), RESUME, *overrides]
 
     assert exported["WANDB_MODE"] == "offline"
     assert exported["OMP_NUM_THREADS"] == "8"  # 32 CPUs per task / 4 ranks
@@ -187,9 +189,9 @@ def test_slurm_user_settings_win(fake):
     args = parse_torchrun(cmd[cmd.index("torchrun") + 1:])
     assert args.nproc_per_node == "2"
     assert args.rdzv_endpoint == "gpu-a17:31000"
-    # RUN_NAME first, then EXTRA, then arguments: a later override of the same key wins.
-    assert args.training_script_args == ["train", str(fake.config), "--run_name=olmo-tda-1b", "--a=1", "--b=2",
-                                         "--c=3"]
+    # The resume flag, RUN_NAME, EXTRA, then arguments: a later override of the same key wins.
+    assert args.training_script_args == ["train", str(fake.config), RESUME, "--run_name=olmo-tda-1b", "--a=1",
+                                         "--b=2", "--c=3"]
     assert (exported["WANDB_MODE"], exported["OMP_NUM_THREADS"]) == ("online", "3")
 
 
@@ -326,7 +328,7 @@ def test_slurm_command_forms_a_two_node_world_on_cpu(fake):
     reports = [json.loads((fake.log / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["world"] == 4 and r["sum"] == 10.0 for r in reports)
     assert sorted(r["node"] for r in reports) == [0, 0, 1, 1]
-    assert all(r["argv"] == ["train", str(fake.config), "--max_duration=3"] for r in reports)
+    assert all(r["argv"] == ["train", str(fake.config), RESUME, "--max_duration=3"] for r in reports)
     assert all(r["wandb"] == "offline" for r in reports)
 
 
@@ -679,3 +681,101 @@ def test_slurm_deepspeed_command_forms_a_two_node_world_on_cpu(fake):
     assert [(r["node"], r["local_rank"]) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["argv"] == [str(fake.config), "--steps=3"] for r in reports)
     assert all(r["threads"] == "1" for r in reports)  # 2 CPUs per task / 2 ranks
+
+
+# --- slurm_olmo.sbatch requeued after a preemption -----------------------------------------------
+
+FAKE_SRUN_ONE_NODE = """#!/bin/bash
+# One "node" on this machine: srun's own options dropped, the step run in place.
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (torchrun starts its workers in sessions of their own, so a
+    process group is not enough: Slurm kills the whole job's cgroup)."""
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in table.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def _preempt(cmd, env, cwd, run_dir: Path, after_step: int) -> None:
+    """Run ``cmd`` and SIGKILL it with every process it started (as a preemption's grace period ends)
+    once the ``step{after_step}-unsharded`` checkpoint exists and both ranks stored the step after it."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shards = run_dir / "tda" / "store" / "shards"
+    deadline = time.monotonic() + 240
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            stored = [len(list(shards.glob(f"r{r:05d}-*.h5"))) for r in (0, 1)] if shards.is_dir() else [0]
+            if (run_dir / f"step{after_step}-unsharded").is_dir() and min(stored) > after_step:
+                break
+            time.sleep(0.02)
+    finally:
+        for pid in _process_tree(proc.pid):         # all collected first: a killed parent orphans its children
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before the preemption (rc {proc.returncode})"
+
+
+@pytest.mark.parametrize("overwrite", ["true", "false"])
+def test_slurm_requeue_resumes_from_the_latest_checkpoint(fake, overwrite):
+    """A preempted job requeued by Slurm reruns the batch script unchanged: the rerun resumes from the
+    first run's latest checkpoint (its checkpoints and stored steps kept, no step stored twice or
+    missing), with the config's save_overwrite either way (demo_tiny: true; olmo_1b: false)."""
+    import numpy as np
+
+    from olmo_tda.demo.corpus import build_passages
+    from olmo_tda.demo.data import write_memmap
+    from olmo_tda.store import GradientStore
+
+    root, seq, gbs, steps = LAUNCH.parent, 32, 8, 10
+    write_memmap(build_passages(256, seq, seed=3), fake.tmp / "data" / "train.npy", seq)
+    run_dir = fake.tmp / "run a"                                          # a space: quoted all the way
+    _write_exe(fake.bin / "srun", FAKE_SRUN_ONE_NODE)
+    torchrun = Path(sysconfig.get_path("scripts")) / "torchrun"
+    env = slurm_env(fake, SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu-a17", GPUS_PER_NODE="2",
+                    SLURM_CPUS_PER_TASK="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(_free_port()),
+                    CONFIG=str(root / "configs" / "demo_tiny.yaml"), WANDB_SILENT="true",
+                    TORCHRUN=str(torchrun) if torchrun.exists() else shutil.which("torchrun"))
+    overrides = [f"--data.paths=[{fake.tmp / 'data' / 'train.npy'}]", f"--save_folder={run_dir}",
+                 f"--max_duration={steps}", f"--stop_at={steps}", "--model.d_model=64", "--model.n_heads=4",
+                 f"--model.max_sequence_length={seq}", f"--global_train_batch_size={gbs}",
+                 "--device_train_microbatch_size=2", "--console_log_interval=1000", "--distributed_strategy=ddp",
+                 "--save_interval_unsharded=2", "--save_num_unsharded_checkpoints_to_keep=-1",
+                 f"--save_overwrite={overwrite}", "--tda.capture.proj_dim=8", "--tda.store.flush_every=1",
+                 "--tda.trajectory.enabled=false"]
+    cmd = ["bash", str(SBATCH), *overrides]
+
+    _preempt(cmd, env, root, run_dir, after_step=4)
+    first = {p.relative_to(run_dir): p.stat() for p in run_dir.glob("step*-unsharded/*")}
+    assert (run_dir / "step2-unsharded").is_dir() and (run_dir / "step4-unsharded").is_dir()
+    assert not (run_dir / f"step{steps}-unsharded").exists()
+
+    requeued = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    out = requeued.stdout + requeued.stderr
+    assert requeued.returncode == 0, out[-4000:]
+    for name, before in first.items():                  # the first run's checkpoints are kept as they were
+        now = (run_dir / name).stat() if (run_dir / name).exists() else None
+        assert now is not None and (now.st_ino, now.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), name
+
+    block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
+    keys = list(zip(block.ids.tolist(), block.steps.tolist()))
+    assert len(keys) == len(set(keys)) == steps * gbs, "a step stored twice or missing"
+    order = np.memmap(run_dir / "train_data" / "global_indices.npy", dtype=np.uint32, mode="r")
+    for step in range(1, steps + 1):
+        assert sorted(block.ids[block.steps == step].tolist()) == sorted(order[(step - 1) * gbs:step * gbs]), step

@@ -1,10 +1,13 @@
 """``olmo-tda train``'s start rules over a folder that holds a run (olmo_train._choose_start): what a
 fresh start removes, and what it refuses to touch. In-process on a one-rank gloo group; the folders
-are built by hand, with real stores and trajectory checkpoints."""
+are built by hand, with real stores and trajectory checkpoints. Then the resume itself, for real: a
+2-rank FSDP run (torchrun, gloo) restored from OLMo's sharded checkpoint."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -173,7 +176,114 @@ def test_a_linked_store_is_emptied_through_its_link(tmp_path):
 
 def test_a_resume_and_a_held_folder_without_save_overwrite(tmp_path):
     run = _old_run(tmp_path / "run")
-    with pytest.raises(ConfigError, match="already holds a run"):
+    with pytest.raises(ConfigError, match="already holds a run.*--try_load_latest_save"):
         olmo_train._choose_start(_cfg(run, save_overwrite=False), TDAConfig())
     olmo_train._choose_start(_cfg(run, load_path=str(run / "step2")), TDAConfig())      # a resume: untouched
     assert (run / "step2").is_dir() and GradientStore.open(run / "tda" / "store").num_rows == 2
+
+
+def test_a_requeue_without_save_overwrite_continues_the_run_and_nothing_else(tmp_path):
+    """A requeued job (try_load_latest_save, save_overwrite: false as configs/olmo_1b.yaml) continues
+    the run from its latest checkpoint, removing nothing; resuming an earlier checkpoint (its later
+    ones would be overwritten) or a held folder with no checkpoint still needs save_overwrite."""
+    run = _old_run(tmp_path / "run")
+    cfg = _cfg(run, try_load_latest_save=True, save_overwrite=False)
+    assert olmo_train._choose_start(cfg, TDAConfig()) is True
+    assert cfg.load_path == str(run / "step2") and (run / "step2-unsharded").is_dir() and (run / "step0").is_dir()
+    assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
+    assert olmo_train._choose_start(_cfg(run, load_path=str(run / "latest"), save_overwrite=False), TDAConfig())
+    with pytest.raises(ConfigError, match="not the latest checkpoint .* step2"):
+        olmo_train._choose_start(_cfg(run, load_path=str(run / "step0"), save_overwrite=False), TDAConfig())
+    for name in ("step0", "step2", "step2-unsharded", "latest"):
+        olmo_train._remove(run / name)
+    with pytest.raises(ConfigError, match="no checkpoint to resume"):
+        olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
+    assert GradientStore.open(run / "tda" / "store").num_rows == 2
+    assert olmo_train._choose_start(_cfg(tmp_path / "new", try_load_latest_save=True, save_overwrite=False),
+                                    TDAConfig()) is False                        # a first start: fresh
+
+
+def test_a_sharded_checkpointer_that_cannot_work_here_is_refused_before_training():
+    """OLMo's `local` checkpointer raises NotImplementedError under torch >= 2.3 (and `torch_new`'s
+    reader does not fit this torch): refused at start, naming the option and the one that works."""
+    from olmo.config import DistributedStrategy
+    from olmo.config import ShardedCheckpointerType as Kind
+
+    def check(**kw):
+        base = dict(load_path=None, load_path_sharded_checkpointer=None, sharded_checkpointer=Kind.torch_legacy,
+                    distributed_strategy=DistributedStrategy.fsdp, save_interval=2, save_interval_ephemeral=None,
+                    save_num_checkpoints_to_keep=-1)
+        olmo_train._check_sharded_checkpointers(SimpleNamespace(**{**base, **kw}))
+
+    check()
+    with pytest.raises(ConfigError, match="sharded_checkpointer=local would save .*: use sharded_checkpointer="
+                                          "torch_legacy"):
+        check(sharded_checkpointer=Kind.local)
+    with pytest.raises(ConfigError, match="load_path_sharded_checkpointer=local reads the sharded checkpoint r/step2"
+                                          ".*stepN-unsharded"):
+        check(load_path="r/step2", load_path_sharded_checkpointer=Kind.local)
+    check(load_path="r/step2-unsharded", load_path_sharded_checkpointer=Kind.local)   # not read by it
+    check(sharded_checkpointer=Kind.local, distributed_strategy=DistributedStrategy.ddp)  # saves no sharded
+    if "torch_new" in olmo_train._broken_checkpointers():      # OLMo 0.6 with torch >= 2.3
+        with pytest.raises(ConfigError, match="sharded_checkpointer=torch_new reads"):
+            check(load_path="r/step2", sharded_checkpointer=Kind.torch_new, save_interval=None,
+                  save_num_checkpoints_to_keep=0)
+
+
+# --- resuming an FSDP run from OLMo's sharded checkpoints, for real --------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, GBS = 32, 8
+
+
+def _train_two_ranks(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """``olmo-tda train`` of a tiny OLMo under torchrun, 2 ranks (gloo), whatever its exit status. The
+    environment this module's one-rank group set up (RANK, MASTER_PORT, ...) is not passed on."""
+    from olmo_tda.demo.corpus import build_passages
+    from olmo_tda.demo.data import write_memmap
+
+    data = tmp / "data" / "train.npy"
+    if not data.exists():
+        write_memmap(build_passages(256, SEQ, seed=3), data, SEQ)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "olmo_tda.cli",
+           "train", str(ROOT / "configs" / "demo_tiny.yaml"), f"--data.paths=[{data}]", "--model.d_model=64",
+           "--model.n_heads=4", f"--model.max_sequence_length={SEQ}", f"--global_train_batch_size={GBS}",
+           "--device_train_microbatch_size=2", "--console_log_interval=1000", "--tda.capture.proj_dim=0",
+           "--tda.store.dtype=float32", "--tda.trajectory.enabled=false", *args]
+    env = {k: v for k, v in os.environ.items() if k not in olmo_train._ONE_PROCESS_KEYS}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+
+
+def test_an_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path):
+    """OLMo's sharded FSDP checkpoints pickle torch.distributed's ShardedTensor, which torch's
+    weights_only load refuses unless allowlisted. A run of 4 steps saves them at steps 2 and 4; resumed
+    from step 2 it runs steps 3-4 again and stores each step once, with the uninterrupted run's rows
+    (the same weights, so model, optimizer and RNG state all came back)."""
+    run = tmp_path / "run"
+    args = [f"--save_folder={run}", "--max_duration=4", "--stop_at=4", "--distributed_strategy=fsdp",
+            "--save_interval=2", "--save_num_checkpoints_to_keep=-1", "--save_interval_unsharded=null",
+            "--tda.store.flush_every=1"]
+    first = _train_two_ranks(tmp_path, *args)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert (run / "step2" / "rank1.pt").is_file()
+    uninterrupted = GradientStore.open(run / "tda" / "store").read_all()
+    # what a resume keeps (a fresh start would remove it): the checkpoint and the shards of steps 1-2
+    kept = [run / "step2" / "rank0.pt", *sorted((run / "tda" / "store" / "shards").glob("r0000[01]-0000000[01].h5"))]
+    assert len(kept) == 5
+    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in kept]
+
+    resumed = _train_two_ranks(tmp_path, *args, f"--load_path={run / 'step2'}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in kept] == before
+    block = GradientStore.open(run / "tda" / "store").read_all()
+    keys = list(zip(block.ids.tolist(), block.steps.tolist()))
+    assert len(keys) == len(set(keys)) == 4 * GBS and set(block.steps.tolist()) == {1, 2, 3, 4}
+    order = np.memmap(run / "train_data" / "global_indices.npy", dtype=np.uint32, mode="r")
+    want = {key: row for row, key in enumerate(zip(uninterrupted.ids.tolist(), uninterrupted.steps.tolist()))}
+    for step in (1, 2, 3, 4):
+        assert sorted(block.ids[block.steps == step].tolist()) == sorted(order[(step - 1) * GBS:step * GBS]), step
+    rows = [want[key] for key in keys]
+    for name in block.grads:
+        got, ref = torch.as_tensor(block.grads[name]), torch.as_tensor(uninterrupted.grads[name][rows])
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, name

@@ -5,8 +5,10 @@ FSDP; a single process works without ``torchrun`` (a one-rank gloo group is made
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -98,9 +100,11 @@ def _wrap(cfg, model, device):
 
 
 def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: type | None = None,
-                  step_callbacks=()) -> TDATrainer:
+                  step_callbacks=(), *, continues: bool = False) -> TDATrainer:
     """Model, wrapping, optimizer, scheduler, data loader and the trainer — OLMo's recipe.
-    ``trainer_cls=olmo.train.Trainer`` builds OLMo's own trainer from the same pieces (parity tests)."""
+    ``trainer_cls=olmo.train.Trainer`` builds OLMo's own trainer from the same pieces (parity tests).
+    ``continues``: the run in ``save_folder`` is resumed from its latest checkpoint (see
+    :func:`_choose_start`), so its ``train_data`` folder is its own and is reused."""
     from olmo.config import DistributedStrategy
     from olmo.data import build_train_dataloader
     from olmo.eval import build_evaluators
@@ -117,7 +121,13 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: ty
     if cfg.model.init_device == "meta" and cfg.distributed_strategy != DistributedStrategy.fsdp:
         raise ValueError("model.init_device=meta needs distributed_strategy=fsdp (DDP needs real weights)")
     seed_all(cfg.seed)
-    train_loader = build_train_dataloader(cfg)
+    # OLMo's loader refuses an existing train_data folder without save_overwrite. A continued run's is
+    # its own (the order rebuilt there is the same), and the start rules allowed the continuation: only
+    # the loader is told so; the run's save_overwrite (for its checkpoints) stays as configured.
+    loader_cfg = copy.copy(cfg) if continues else cfg
+    if continues:
+        loader_cfg.save_overwrite = True
+    train_loader = build_train_dataloader(loader_cfg)
     evaluators = build_evaluators(cfg, device) if cfg.evaluators else []
     model = OLMo(cfg.model)
     model.set_activation_checkpointing(cfg.activation_checkpointing)
@@ -155,8 +165,9 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
     """Run OLMo pretraining with TDA as configured (call under torchrun, or plainly for one process).
     ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step.
 
-    As OLMo's own script: a save folder that already holds a run (its ``config.yaml``) needs
-    ``save_overwrite``; ``try_load_latest_save`` resumes from the folder's latest checkpoint. A fresh
+    As OLMo's own script, ``try_load_latest_save`` resumes from the save folder's latest checkpoint
+    (a requeued job: the same command continues the run; with nothing saved yet it starts fresh). A
+    save folder that already holds a run (its ``config.yaml``) otherwise needs ``save_overwrite``. A fresh
     start with ``save_overwrite`` removes the old run's checkpoints and TDA outputs first, so the new
     run's store, trajectory and latest checkpoint are never mixed with the old run's. The configs are
     written once the checkpoint (if any) is restored: a refused resume leaves the folder as it was."""
@@ -171,13 +182,14 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
         if cfg.run_name is None:
             cfg.run_name = Path(cfg.save_folder).name
         absolute_paths(cfg, tda_cfg)
-        _choose_start(cfg, tda_cfg)
+        _check_sharded_checkpointers(cfg)
+        continues = _choose_start(cfg, tda_cfg)
+        _check_sharded_checkpointers(cfg)          # the checkpoint try_load_latest_save chose, if any
         _start_wandb(cfg)
-        with build_trainer(cfg, tda_cfg, device, step_callbacks=step_callbacks) as trainer:
+        with build_trainer(cfg, tda_cfg, device, step_callbacks=step_callbacks, continues=continues) as trainer:
             if cfg.load_path is not None:
                 log.info("loading checkpoint %s", cfg.load_path)
-                trainer.restore_checkpoint(cfg.load_path, load_optimizer_state=not cfg.reset_optimizer_state,
-                                           load_trainer_state=not cfg.reset_trainer_state)
+                _restore_checkpoint(trainer, cfg)
             if dist.get_rank() == 0 and not cfg.dry_run:
                 _save_configs(cfg, tda_cfg, trainer.store.store_id if trainer.store is not None else None)
             if cfg.load_path is not None and cfg.eval_on_load and trainer.evaluators:
@@ -194,6 +206,90 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
         if wandb.run is not None:
             wandb.finish(exit_code=0 if ok else 1)
         release_distributed()
+
+
+def _restore_checkpoint(trainer, cfg) -> None:
+    """``trainer.restore_checkpoint(cfg.load_path)`` as OLMo's script calls it, with torch's
+    ``weights_only`` loads kept on: only the classes OLMo's sharded FSDP checkpoints pickle are added
+    to torch's allowlist, and only while the checkpoint is read."""
+    with torch.serialization.safe_globals(_sharded_checkpoint_globals()):
+        trainer.restore_checkpoint(cfg.load_path, load_optimizer_state=not cfg.reset_optimizer_state,
+                                   load_trainer_state=not cfg.reset_trainer_state,
+                                   sharded_checkpointer=cfg.load_path_sharded_checkpointer)
+
+
+def _check_sharded_checkpointers(cfg) -> None:
+    """Refuse, before anything is trained or removed, an OLMo sharded checkpointer that cannot work
+    with the installed OLMo and torch: the one that reads a sharded ``load_path``
+    (``load_path_sharded_checkpointer``, else ``sharded_checkpointer``) and, for an FSDP run that saves
+    sharded checkpoints, ``sharded_checkpointer`` (checkpoints that could not be resumed are no use)."""
+    from olmo.config import DistributedStrategy
+
+    broken = _broken_checkpointers()
+    working = "torch_legacy (OLMo's default)" + (" or olmo_core" if _has_olmo_core() else "")
+    if cfg.load_path is not None and not str(cfg.load_path).rstrip("/").endswith("-unsharded"):
+        key = "load_path_sharded_checkpointer" if cfg.load_path_sharded_checkpointer else "sharded_checkpointer"
+        kind = str(getattr(cfg, key))
+        if kind in broken:
+            raise ConfigError(f"{key}={kind} reads the sharded checkpoint {cfg.load_path}, but {broken[kind]}: "
+                              "resume from an unsharded checkpoint of that run (stepN-unsharded) instead, and "
+                              f"save sharded checkpoints with sharded_checkpointer={working}")
+    saves = cfg.distributed_strategy == DistributedStrategy.fsdp and (
+        cfg.save_interval is not None or cfg.save_interval_ephemeral is not None
+        or cfg.save_num_checkpoints_to_keep != 0)
+    if saves and str(cfg.sharded_checkpointer) in broken:
+        raise ConfigError(f"sharded_checkpointer={cfg.sharded_checkpointer} would save this FSDP run's sharded "
+                          f"checkpoints, but {broken[str(cfg.sharded_checkpointer)]}: use sharded_checkpointer="
+                          f"{working}")
+
+
+def _broken_checkpointers() -> dict[str, str]:
+    """OLMo's sharded checkpointers that fail with the installed OLMo and torch, and why."""
+    import inspect
+
+    from olmo import checkpoint
+
+    broken = {}
+    if inspect.isabstract(checkpoint.RemoteFileSystemReader):
+        broken["torch_new"] = (f"OLMo's reader of those checkpoints does not implement torch {torch.__version__}'s "
+                               "torch.distributed.checkpoint StorageReader, so they cannot be loaded")
+    if torch.__version__ >= "2.3":             # TorchVersion compares as a version
+        broken["local"] = (f"OLMo's local checkpointer supports the FSDP of torch < 2.3 only (here "
+                           f"{torch.__version__}): it raises NotImplementedError on save and on load")
+    return broken
+
+
+def _has_olmo_core() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("olmo_core") is not None
+
+
+def _sharded_checkpoint_globals() -> list:
+    """What a sharded FSDP state dict pickles besides plain tensors (OLMo's ``torch_legacy``
+    checkpointer saves one per rank with ``torch.save``): ``ShardedTensor``, its shards and their
+    metadata. Python pickles the nested ``ShardedTensor.ProcessGroupState`` as
+    ``getattr(ShardedTensor, "ProcessGroupState")``: ``builtins.getattr`` is mapped to a lookup of
+    that one attribute, never to ``getattr`` itself."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (MEM_FORMAT_ENCODING, ShardedTensorMetadata,
+                                                                  TensorProperties)
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+    from torch.distributed._shard.sharding_spec.chunk_sharding_spec import ChunkShardingSpec
+    from torch.distributed.remote_device import _remote_device
+
+    nested = {(ShardedTensor, "ProcessGroupState"): ShardedTensor.ProcessGroupState}
+
+    def nested_class(owner, name):
+        if (owner, name) not in nested:
+            raise pickle.UnpicklingError(f"checkpoint asks for getattr({owner!r}, {name!r}): only "
+                                         "ShardedTensor.ProcessGroupState is allowed")
+        return nested[owner, name]
+
+    return [ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata, ShardedTensorMetadata,
+            TensorProperties, MEM_FORMAT_ENCODING, ChunkShardingSpec, _remote_device,
+            (nested_class, "builtins.getattr")]
 
 
 def absolute_paths(cfg, tda_cfg: TDAConfig) -> None:
@@ -219,9 +315,10 @@ def _absolute(path) -> str:
     return text if "://" in text or os.path.isabs(text) else os.path.abspath(text)
 
 
-def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
+def _choose_start(cfg, tda_cfg: TDAConfig) -> bool:
     """OLMo's start rules: ``try_load_latest_save`` sets ``load_path`` to the latest checkpoint of the
-    save folder (else of ``remote_save_folder``); a folder that holds a run needs ``save_overwrite``.
+    save folder (else of ``remote_save_folder``); a folder that holds a run needs ``save_overwrite``
+    unless the start resumes its latest checkpoint (which removes and overwrites nothing).
 
     A fresh start (nothing to load, or ``reset_trainer_state``) over an old run removes what would be
     mixed into the new one: OLMo's checkpoints (``stepN[-unsharded]``, ``latest[-unsharded]``) and the
@@ -229,7 +326,8 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
     (a store's files, a trajectory's checkpoint folders). Anything that contains the save folder or the
     checkpoint to load is refused, not removed; so is a TDA path of the new config that already holds
     another run's store or trajectory, in any folder. Rank 0 decides and removes; every rank gets its
-    outcome (shared save folders, as OLMo's own ``config.yaml`` needs)."""
+    outcome (shared save folders, as OLMo's own ``config.yaml`` needs). Returns whether the start
+    continues the folder's run from its latest checkpoint (see :func:`build_trainer`)."""
     from olmo.util import find_latest_checkpoint
 
     folder = Path(cfg.save_folder)
@@ -242,29 +340,29 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> None:
             cfg.load_path = str(latest)
             cfg.reset_trainer_state = cfg.reset_optimizer_state = False
     # rank 0 checks and removes; the others wait for its outcome, so all raise or all go on together
-    error = None
+    outcome: list = [None, False]
     if dist.get_rank() == 0:
         try:
-            _check_and_clear(cfg, tda_cfg, folder)
+            outcome[1] = _check_and_clear(cfg, tda_cfg, folder)
         except ConfigError as e:
-            error = str(e)
-    outcome = [error]
+            outcome[0] = str(e)
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise ConfigError(outcome[0])
+    return outcome[1]
 
 
-def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> None:
+def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> bool:
     load = _local(cfg.load_path)
     if load is not None and not load.exists():
         raise ConfigError(f"load_path: no such checkpoint {cfg.load_path}")
     held = not cfg.dry_run and (folder / "config.yaml").is_file()
-    if held and not cfg.save_overwrite:
-        raise ConfigError(f"{folder} already holds a run ({folder / 'config.yaml'}): pass --save_overwrite to "
-                          "overwrite it, with --load_path=... or --try_load_latest_save to resume it")
+    continues = held and _resumes_latest(cfg, folder, load)
+    if held and not cfg.save_overwrite and not continues:
+        _refuse_overwrite(cfg, folder, load)
     fresh = not cfg.dry_run and (cfg.load_path is None or cfg.reset_trainer_state)
     if not fresh:                 # a resume keeps the folder: the store is cut back when it is restored
-        return
+        return continues
     stale: list[Path] = []
     checkpoints: list[Path] = []
     if held:
@@ -290,9 +388,44 @@ def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> None:
         log.warning("save_overwrite on a fresh start: removing the old run's %s", ", ".join(map(str, stale)))
         for path in stale:
             _remove(path, through_link=path not in checkpoints)
+    return False
 
 
-_CHECKPOINT = re.compile(r"^step\d+(-unsharded)?$")
+def _resumes_latest(cfg, folder: Path, load: Path | None) -> bool:
+    """Whether the start continues the run in ``folder``: resumes it (trainer state and all) from its
+    latest checkpoint, as ``try_load_latest_save`` does after a preemption, so that nothing of it is
+    removed or overwritten. Without ``save_overwrite`` that is the only start a held folder allows."""
+    step = _checkpoint_step(load) if load is not None and _inside(load, folder) else None
+    if step is None or cfg.reset_trainer_state:
+        return False
+    return all(_checkpoint_step(p) <= step for p in folder.iterdir() if _CHECKPOINT.match(p.name))
+
+
+def _refuse_overwrite(cfg, folder: Path, load: Path | None) -> None:
+    """Refuse a start over the run in ``folder`` without ``save_overwrite``, saying what to pass."""
+    config = folder / "config.yaml"
+    if load is not None and _inside(load, folder) and _checkpoint_step(load) is not None \
+            and not cfg.reset_trainer_state:               # a resume from an earlier checkpoint
+        latest = max((p for p in folder.iterdir() if _CHECKPOINT.match(p.name)), key=_checkpoint_step)
+        raise ConfigError(f"load_path {cfg.load_path} is not the latest checkpoint of the run in {folder} (that is "
+                          f"{latest.name}): resuming it would overwrite the later ones; pass --save_overwrite to "
+                          "allow that, or --try_load_latest_save to resume the latest")
+    if cfg.try_load_latest_save and cfg.load_path is None:
+        raise ConfigError(f"{folder} already holds a run ({config}) but no checkpoint to resume (try_load_latest_save "
+                          "found none): pass --save_overwrite to start it over (its checkpoints and TDA outputs "
+                          "are removed), or use another save_folder")
+    raise ConfigError(f"{folder} already holds a run ({config}): pass --try_load_latest_save to resume it from its "
+                      "latest checkpoint, or --save_overwrite to overwrite it (a fresh start, or a resume from "
+                      "another checkpoint)")
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """The step of an OLMo checkpoint folder (``stepN``, ``stepN-unsharded``, or a link to one)."""
+    match = _CHECKPOINT.match(path.resolve().name)
+    return int(match.group(1)) if match else None
+
+
+_CHECKPOINT = re.compile(r"^step(\d+)(-unsharded)?$")
 _LATEST = ("latest", "latest-unsharded")
 
 
