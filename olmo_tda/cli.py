@@ -190,7 +190,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{'verify':>22}: {v['datasets']} datasets in {v['shards']} shards, {v['bytes_read']} bytes read: "
               + (f"{len(damaged)} damaged" if damaged else "all checksums match")
               + (f"; {len(v['unchecked'])} shards have no checksums (written by an older version)"
-                 if v["unchecked"] else ""))
+                 if v["unchecked"] else "")
+              + (f"; {len(v['changed'])} shards changed while read (a live writer truncated them): run again"
+                 if v["changed"] else ""))
         for d in damaged:
             print(f"damaged: {d['file']}" + (f" {d['dataset']}" if d["dataset"] else "") + f": {d['problem']}",
                   file=sys.stderr)

@@ -196,3 +196,19 @@ def test_a_zero_query_warns_and_gets_the_first_rows_in_store_order(store_and_dat
     with caplog.at_level("WARNING", logger="olmo_tda.methods.base"):
         attribute(path, queries, top_k=4)
     assert "zero in every scored layer" not in caplog.text
+
+
+def test_a_projector_mismatch_names_what_differs():
+    """The refusal of queries projected otherwise than the store names the layer and field; only a
+    changed eigenbasis (both eigen, other basis) is called a replaced basis file."""
+    from olmo_tda.methods.base import projector_difference
+
+    eigen = {"kind": "eigen", "shape": [4, 4], "basis_digest": "aaaa", "digest": "d1"}
+    meta = {"layers": [{"name": "fc", "projector": eigen}]}
+    swapped = projector_difference({"fc": {**eigen, "basis_digest": "bbbb", "digest": "d2"}}, meta)
+    assert "layer 'fc' was projected onto another eigenbasis (basis digest bbbb here, aaaa in the store)" in swapped
+    random = {"kind": "orthogonal", "shape": [4, 4], "seed": 0, "digest": "d3"}
+    for ours, theirs in ((random, eigen), (eigen, random)):
+        text = projector_difference({"fc": ours}, {"layers": [{"name": "fc", "projector": theirs}]})
+        assert text.startswith("layer 'fc' differs in ") and "kind=" in text and "eigenbasis" not in text
+    assert "capture config" in projector_difference(None, meta)

@@ -335,8 +335,9 @@ def test_influence_bad_options_are_refused(tmp_path):
         get_method("influence", hessian="lorif", iterations=-1)
     store = _store(tmp_path, {"fc": torch.zeros(4, 2, 2)})
     for hessian in ("ekfac", "raw", "lorif", "joint"):
-        with pytest.raises(ValueError, match="zero gradients|gradients are all zero"):
-            attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence", hessian=hessian)
+        for damping in (None, 1.0):        # an explicit λ does not make all-zero rows informative
+            with pytest.raises(ValueError, match="zero gradients|gradients are all zero"):
+                attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence", hessian=hessian, damping=damping)
     assert get_method("influence").hessian == "ekfac"
 
 
@@ -352,7 +353,7 @@ def test_a_layer_with_zero_gradients_is_left_out_not_fatal(tmp_path, hessian, ca
     res = attribute(store, {"fc": q, "dead": torch.randn(2, 2, 2, generator=gen)}, method="influence",
                     hessian=hessian, return_scores=True, **({"rank": 6} if hessian == "lorif" else {}))
     assert "1 layer(s) have zero gradients in every stored row" in caplog.text and "'dead'" in caplog.text
-    assert res.info["dead_layers"] == ["dead"]
+    assert res.info["dead_layers"] == ["dead"] and list(res.info["damping"]) == ["fc"]
     if hessian == "ekfac":      # not the exact inverse; it must equal the 'fc'-only store's answer
         alone = attribute(_store(tmp_path, {"fc": train}, name="alone"), {"fc": q}, method="influence",
                           hessian="ekfac", return_scores=True).all_scores

@@ -370,7 +370,8 @@ def test_store_json_is_self_describing_and_summary(tmp_path):
             w.append(r)
     stored = json.loads((tmp_path / "s" / "store.json").read_text())
     assert stored["format"] == "olmo_tda.store" and stored["format_version"] == 1
-    assert stored["gradient_convention"] == "sum_token_loss" and stored["representation"] == "dense"
+    assert stored["gradient_convention"] == "sum_token_loss;loss_scale=update_share"
+    assert stored["representation"] == "dense"
     assert stored["dtype"] == "bfloat16" and stored["library_version"] == "0.1.0"
     assert stored["layers"] == worker.LAYERS and stored["capture"] == META["capture"]
     assert stored["projector_hash"] == "kill-test" and stored["extra"] == {"data_fingerprint": "abc123"}
@@ -732,6 +733,22 @@ def test_mismatched_append_is_refused_showing_both_sides(tmp_path, change, store
     assert stored_text in message and requested_text in message and str(path) in message
     assert f"stored:    {stored_text}" in message and f"requested: {requested_text}" in message
     GradientStore.create(path, META, StoreConfig()).close()  # the original settings still work
+
+
+def test_a_store_from_before_loss_scale_counted_the_ranks_is_read_not_appended_to(tmp_path):
+    """Rows of a store written when ``loss_scale`` left out the data-parallel ranks (convention
+    "sum_token_loss") would be weighted world-size times differently by in-run TracIn than new rows:
+    appending is refused naming both conventions; reading still works."""
+    path = tmp_path / "s"
+    records = random_records(range(2))
+    write_store(path, records)
+    meta = json.loads((path / "store.json").read_text())
+    (path / "store.json").write_text(json.dumps({**meta, "gradient_convention": "sum_token_loss"}))
+    assert GradientStore.open(path).num_rows == 6
+    with pytest.raises(StoreMismatchError) as info:
+        GradientStore.create(path, META, StoreConfig())
+    assert 'stored:    "sum_token_loss"' in str(info.value)
+    assert 'requested: "sum_token_loss;loss_scale=update_share"' in str(info.value)
 
 
 def test_a_writer_waits_out_another_ranks_brief_scan_of_its_lock(tmp_path):

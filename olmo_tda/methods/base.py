@@ -166,7 +166,7 @@ def projector_difference(specs: dict[str, dict[str, Any]] | None, meta: dict[str
         if theirs is None or theirs == spec:
             continue
         fields = sorted(k for k in set(spec) | set(theirs) if spec.get(k) != theirs.get(k))
-        if "basis_digest" in fields:
+        if "basis_digest" in fields and "kind" not in fields and spec.get("basis_digest") and theirs.get("basis_digest"):
             return (f"layer {name!r} was projected onto another eigenbasis (basis digest {spec['basis_digest']} "
                     f"here, {theirs.get('basis_digest')} in the store): the basis file was replaced or "
                     "re-estimated after the store was written; query with the basis the run captured with")

@@ -323,8 +323,10 @@ class Influence:
             # the same options fitted on an older state of the store (it grew, or was truncated):
             # never read again, and up to GiBs each (a D×D float64 factor per layer)
             options = path.name.rsplit("-", 1)[0]
-            for old in path.parent.glob(f"{options}-*.safetensors"):
-                if old != path:
+            for old in path.parent.glob("influence-*.safetensors"):
+                # older states of these options, and files named before options and state were split
+                # (influence-<16 hex>.safetensors, whose options cannot be told: recomputed if needed)
+                if old != path and (old.name.startswith(options + "-") or old.name.count("-") == 1):
                     old.unlink(missing_ok=True)
         except OSError as e:          # a read-only store: answer without caching
             log.info("influence: not caching the fitted Fisher in %s (%s)", path.parent, e)
@@ -368,7 +370,7 @@ class Influence:
         # a layer whose every stored row is zero adds exactly 0 to every score, whatever its curvature:
         # it is left out (warned), not allowed to refuse the question (its relative λ would be 0)
         dead = [n for n in layers if not trace[n] > 0]
-        if len(dead) == len(layers) and self.damping is None:
+        if len(dead) == len(layers):
             raise ValueError(f"influence: every scored layer has zero gradients in the store ({len(layers)} "
                              "layers): there is nothing to attribute with")
         if dead:
@@ -376,7 +378,7 @@ class Influence:
                         "score; they are left out: %s", len(dead), dead)
         damping = {n: (self.damping if self.damping is not None
                        else self.damping_ratio * trace[n] / (shapes[n][0] * shapes[n][1]) if n not in dead
-                       else 1.0) for n in layers}
+                       else 1.0) for n in layers}   # a left-out layer's λ is never used (info drops it)
         dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
         _warn_tiny_damping(damping, {n: trace[n] / dims[n] for n in layers if num < dims[n]})
         if self.hessian == "raw":
@@ -388,8 +390,8 @@ class Influence:
         else:                        # ekfac and lorif: the factors are what was fitted
             factors = fisher
         self._fitted = {"factors": factors, "damping": damping, "layers": list(layers), "dead": dead}
-        self.info = {"hessian": self.hessian, "damping": damping, "num_rows": num,
-                     **({"rank": self.rank} if self.hessian == "lorif" else {}),
+        self.info = {"hessian": self.hessian, "damping": {n: d for n, d in damping.items() if n not in dead},
+                     "num_rows": num, **({"rank": self.rank} if self.hessian == "lorif" else {}),
                      **({"dead_layers": dead} if dead else {})}
 
     def _fit_joint(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
@@ -407,10 +409,10 @@ class Influence:
                                                   iterations=self.iterations, block_size=block_size, seed=self.seed,
                                                   joint=True)
             factor, trace = factors[_JOINT], traces[_JOINT]
+        if not trace > 0:
+            raise ValueError(f"influence: every scored layer has zero gradients in the store ({len(layers)} "
+                             "layers): there is nothing to attribute with")
         lam = self.damping if self.damping is not None else self.damping_ratio * trace / dim
-        if not lam > 0:
-            raise ValueError("influence: the store's gradients are all zero, so the default damping is 0; "
-                             "pass damping=")
         if num < dim:
             _warn_tiny_damping({"all layers (joint)": lam}, {"all layers (joint)": trace / dim})
         if self._explicit:

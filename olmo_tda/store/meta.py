@@ -21,7 +21,11 @@ from .format import FORMAT_NAME, FORMAT_VERSION, STORE_JSON
 __all__ = ["GRADIENT_CONVENTION", "REPRESENTATION", "COMPARED_KEYS", "build_store_meta",
            "check_meta_compatible", "load_store_json"]
 
-GRADIENT_CONVENTION = "sum_token_loss"
+GRADIENT_CONVENTION = "sum_token_loss;loss_scale=update_share"
+"""Rows are gradients of each example's summed token loss; ``loss_scale`` is the divisor between a row
+and its share of the applied update, data-parallel ranks included (stores written before that was
+so say ``"sum_token_loss"`` and are not appended to: their in-run TracIn weights differ by the world
+size)."""
 REPRESENTATION = "dense"     # "lorif" when any layer is stored as rank-c factors
 # keys of store.json that must agree before a writer may append (``extra`` is free-form on purpose:
 # e.g. a data fingerprint may legitimately change when selection rewrites the order)

@@ -224,13 +224,15 @@ class GradientStore:
         """Read every dataset of every shard and compare it with the CRC-32 its writer stored.
 
         Returns ``{"shards", "datasets", "bytes_read", "damaged": [{"file", "dataset", "problem"}],
-        "unchecked": [files without checksums (written before they were kept)]}``; nothing raises
+        "unchecked": [files without checksums (written before they were kept)], "changed": [files a
+        live writer's truncate rewrote or removed while they were read: not checked]}``; nothing raises
         for a damaged shard, every one is listed. ``progress(done, total)`` is called per shard.
         Reads ~:data:`BLOCK_BYTES` at a time, whatever the shard's size.
         """
         names = ["ids", "steps", "lr", "loss_scale", *(f"grads/L{i:04d}" for i in range(len(self.layers)))]
         damaged: list[dict[str, Any]] = []
         unchecked: list[str] = []
+        changed: list[str] = []
         datasets = nbytes = 0
         shards = self.shards
         for done, info in enumerate(shards):
@@ -251,12 +253,16 @@ class GradientStore:
                                                        "bytes changed after it was written"})
                     if missing:
                         unchecked.append(info.file)
-            except (StoreCorruptError, StoreError) as e:
+            except StoreCorruptError as e:
                 damaged.append({"file": info.file, "dataset": None, "problem": str(e)})
+            except StoreError as e:   # a writer's truncate_after rewrote or removed it meanwhile: not damage
+                changed.append(info.file)
+                log.info("verify: %s changed while it was read (%s); refresh() and verify again to check it",
+                         info.file, e)
             if progress is not None:
                 progress(done + 1, len(shards))
         return {"shards": len(shards), "datasets": datasets, "bytes_read": nbytes, "damaged": damaged,
-                "unchecked": unchecked}
+                "unchecked": unchecked, "changed": changed}
 
     def _keys(self) -> tuple[int, np.ndarray]:
         if self._key_summary is None:

@@ -359,6 +359,7 @@ class OnlineSelector:
         scores = torch.zeros(len(ids), dtype=torch.float64)
         compared = grads is not None and target is not None        # greats / alignment
         broken = np.zeros(0, dtype=np.int64)      # window positions whose measurement is NaN/inf
+        ok = np.ones(len(sample), dtype=bool)     # measured rows that count in window-wide means
         if target is not None and not bool(torch.isfinite(target).all()):   # all-reduced: every rank raises
             raise SelectionError(f"selection round after step {step}: the target gradient is not finite (the "
                                  f"model diverged, or a target example has no finite loss): {cfg.target}")
@@ -420,11 +421,19 @@ class OnlineSelector:
                      policy=cfg.policy.value, mode=cfg.mode.value, preconditioned=bool(scales),
                      common_removed=bool(cfg.remove_common and compared and len(ids) > 1),
                      normalized=bool(cfg.normalize and compared), seconds=time.perf_counter() - t0,
-                     mean_loss_window=None if mean_losses is None else float(mean_losses.mean()))
+                     mean_loss_window=_mean_loss(mean_losses, ok))
         self._prev_scores = dict(zip(ids.tolist(), scores_np.tolist()))
         self.log.append(epoch=epoch, step=step, start=start, keep=keep, window_ids=ids[placed], stats=stats,
                         scores=scores_np[placed])
         return new_order, stats
+
+
+def _mean_loss(losses: np.ndarray | None, ok: np.ndarray) -> float | None:
+    """The window's mean loss over its measured rows that were not set aside (None without any)."""
+    if losses is None:
+        return None
+    good = ok & np.isfinite(losses)
+    return float(losses[good].mean()) if good.any() else None
 
 
 @contextlib.contextmanager
