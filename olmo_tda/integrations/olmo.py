@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import tempfile
@@ -399,9 +400,12 @@ class TDATrainer(Trainer):
         t0 = time.perf_counter()
         if self.trajectory is not None and self.global_step == 1:    # θ_0, before the first update
             self._keep_trajectory(0)
-        # tda/metrics.jsonl keeps every step's loss: OLMo averages it over the ranks (a reduce of one
-        # scalar to rank 0) only on the steps it logs, and rank 0's own loss is not the run's
-        metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss or self.tda.enabled)
+        metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss)
+        if self.tda.enabled and not reduce_global_loss and _world_size() > 1:
+            # tda/metrics.jsonl keeps every step's loss: OLMo averages it over the ranks only on the
+            # steps it logs, and rank 0's own loss is not the run's. Averaged here on a copy, so OLMo's
+            # own state (cur_train_loss, early stopping) is what OLMo made it
+            self._average_losses(metrics)
         if self.trajectory is not None:
             if self.global_step == 1:       # θ_0's lr: the one its gradient was used with (warmup's first)
                 self.trajectory.set_lrs(0, [float(g["lr"]) for g in self.optim.param_groups])
@@ -430,6 +434,16 @@ class TDATrainer(Trainer):
         for callback in self.step_callbacks:
             callback(self.global_step, metrics)
         return metrics
+
+    def _average_losses(self, metrics: dict[str, float]) -> None:
+        """``metrics``' rank-local losses replaced by their mean over the ranks (one all-reduce)."""
+        keys = [k for k in ("train/CrossEntropyLoss", "train/ZLoss") if k in metrics]
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)
+        for key, value in zip(keys, (values / _world_size()).tolist()):
+            metrics[key] = value
+        if "train/CrossEntropyLoss" in metrics and "train/Perplexity" in metrics:
+            metrics["train/Perplexity"] = math.exp(metrics["train/CrossEntropyLoss"])
 
     def _keep_trajectory(self, step: int) -> None:
         self.trajectory.maybe_save(step, self._full_weights, lrs=[float(g["lr"]) for g in self.optim.param_groups],
