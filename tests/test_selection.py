@@ -380,20 +380,47 @@ def test_normalized_alignment_is_a_cosine(tmp_path):
     sel.close()
 
 
-@pytest.mark.parametrize("policy", ["greats", "alignment"])
-def test_a_measured_sample_scores_the_rest_by_their_source(tmp_path, policy):
-    """``measure: 6`` of a 12-example window from 3 sources: only 6 examples are forwarded; with
-    exact gradients of those 6 (off their mean direction, equal lengths), every other example is
-    scored as its source's mean measured row (greats) or mean score (alignment)."""
+SOURCES = {i: "abc"[i % 3] if i < 10 else "c" for i in range(16)}
+"""Data source of each of 16 ids: sources of 4, 3 and 5 examples in the window 2..13."""
+
+
+def _sampled_selector(tmp_path, policy, measure):
+    """A tiny OLMo, 16 data and 4 target passages, and a selector measuring ``measure`` of a window of
+    12 exactly (unprojected, not preconditioned)."""
     torch.manual_seed(0)
     model = tiny_olmo()
     data, target = _tokens(16), _tokens(4, seed=1)
     (tmp_path / "target.txt").write_text("t\n")
     cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy=policy, target=str(tmp_path / "target.txt"),
-                          proj_dim=0, target_examples=4, micro_batch=4, precondition=False, measure=6)
+                          proj_dim=0, target_examples=4, micro_batch=4, precondition=False, measure=measure)
     sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
                          target_tokens=target)
-    label = {i: "abc"[i % 3] if i < 10 else "c" for i in range(16)}      # sources of 4, 3 and 5 examples
+    return model, data, target, cfg, sel
+
+
+def _exact_scored_rows(model, sel, data, target, window, rows):
+    """``(rows' exact gradients off their mean direction at their mean length [len(rows), D], the
+    target's mean-token gradient [D])``: what a round with remove_common and normalize compares,
+    from torch.func (``rows``: window positions, the ones that count in the window's means)."""
+    model.eval()
+    names = list(sel.capture.modules)
+    exact, exact_t = exact_per_example_grads(model, data[window]), exact_per_example_grads(model, target)
+    g = torch.cat([exact[f"{n}.weight"].reshape(len(window), -1) for n in names], dim=1).double()
+    t = torch.cat([exact_t[f"{n}.weight"].reshape(len(target), -1) for n in names], dim=1).double().sum(0)
+    t = t / (len(target) * (target.shape[1] - 1))
+    m = g[rows]
+    mean = m.mean(0)
+    m = m - torch.outer(m @ mean, mean) / mean.dot(mean)
+    return m * m.norm(dim=1, keepdim=True).mean() / m.norm(dim=1, keepdim=True), t
+
+
+@pytest.mark.parametrize("policy", ["greats", "alignment"])
+def test_a_measured_sample_scores_the_rest_by_their_source(tmp_path, policy):
+    """``measure: 6`` of a 12-example window from 3 sources: only 6 examples are forwarded; with
+    exact gradients of those 6 (off their mean direction, equal lengths), every other example is
+    scored as its source's mean measured row (greats) or mean score (alignment)."""
+    model, data, target, cfg, sel = _sampled_selector(tmp_path, policy, measure=6)
+    label = SOURCES
     fetched = []
 
     def fetch(ids):
@@ -408,15 +435,7 @@ def test_a_measured_sample_scores_the_rest_by_their_source(tmp_path, policy):
     counts = {g: sum(label[i] == g for i in fetched) for g in "abc"}
     assert all(abs(counts[g] - 6 * groups.count(g) / 12) < 1 for g in "abc"), counts       # in proportion
     measured = np.sort(np.asarray(fetched)) - 2
-    model.eval()
-    names = list(sel.capture.modules)
-    exact, exact_t = exact_per_example_grads(model, data[window]), exact_per_example_grads(model, target)
-    g = torch.cat([exact[f"{n}.weight"].reshape(12, -1) for n in names], dim=1).double()
-    t = torch.cat([exact_t[f"{n}.weight"].reshape(4, -1) for n in names], dim=1).double().sum(0) / (4 * 11)
-    m = g[measured]
-    mean = m.mean(0)
-    m = m - torch.outer(m @ mean, mean) / mean.dot(mean)
-    m = m * m.norm(dim=1, keepdim=True).mean() / m.norm(dim=1, keepdim=True)
+    m, t = _exact_scored_rows(model, sel, data, target, window, measured)
     by_source = {s: [k for k, i in enumerate(measured) if groups[i] == s] for s in "abc"}
     eta = 0.1 / 48
     if policy == "greats":
@@ -615,15 +634,8 @@ def test_a_set_aside_example_counts_in_no_window_mean(tmp_path, policy):
     """A measured example whose gradient overflows is zeroed and placed last; it must not count as a
     zero in the common direction, the mean norm or its source's mean that stands in for the
     unmeasured: the rest are ranked as if it had not been measured (exact torch.func ground truth)."""
-    torch.manual_seed(0)
-    model = tiny_olmo()
-    data, target = _tokens(16), _tokens(4, seed=1)
-    (tmp_path / "target.txt").write_text("t\n")
-    cfg = SelectionConfig(enabled=True, every_n=1, window=12, policy=policy, target=str(tmp_path / "target.txt"),
-                          proj_dim=0, target_examples=4, micro_batch=4, precondition=False, measure=7)
-    sel = OnlineSelector(cfg, model, forward=lambda m, ids: m(ids).logits, log_folder=tmp_path / "sel",
-                         target_tokens=target)
-    label = {i: "abc"[i % 3] if i < 10 else "c" for i in range(16)}
+    model, data, target, _, sel = _sampled_selector(tmp_path, policy, measure=7)
+    label = SOURCES
     real, fetched = sel._measure_window, []
 
     def overflowed(ids, fetch):                 # the second measured example overflows
@@ -638,15 +650,7 @@ def test_a_set_aside_example_counts_in_no_window_mean(tmp_path, policy):
     groups = [label[int(i)] for i in window]
     measured = np.asarray(fetched) - 2
     bad, good = measured[1], np.delete(measured, 1)
-    model.eval()
-    names = list(sel.capture.modules)
-    exact, exact_t = exact_per_example_grads(model, data[window]), exact_per_example_grads(model, target)
-    g = torch.cat([exact[f"{n}.weight"].reshape(12, -1) for n in names], dim=1).double()
-    t = torch.cat([exact_t[f"{n}.weight"].reshape(4, -1) for n in names], dim=1).double().sum(0) / (4 * 11)
-    m = g[good]                                  # the means are over the good measured rows only
-    mean = m.mean(0)
-    m = m - torch.outer(m @ mean, mean) / mean.dot(mean)
-    m = m * m.norm(dim=1, keepdim=True).mean() / m.norm(dim=1, keepdim=True)
+    m, t = _exact_scored_rows(model, sel, data, target, window, good)     # the means: good measured rows only
     row = {int(i): m[k] for k, i in enumerate(good)}
     by_source = {s: [k for k, i in enumerate(good) if groups[i] == s] for s in "abc"}
     eta = 0.1 / 48

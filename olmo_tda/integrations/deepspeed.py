@@ -153,7 +153,7 @@ class DeepSpeedTDA:
             from ..training.trajectory import Trajectory
 
             self.trajectory = Trajectory(config.trajectory,
-                                         config.trajectory.path or Path(config.store.path).parent / "trajectory",
+                                         config.trajectory.path or default_trajectory_path(config.store.path),
                                          projector_hash=self.capture.projector_hash, rank=_rank())
         try:
             self._handles.append(engine.module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
@@ -517,6 +517,11 @@ def _managed_accumulation(engine: Any) -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def default_trajectory_path(store_path: str | Path) -> Path:
+    """Where :func:`attach` keeps the trajectory when ``tda.trajectory.path`` is unset: beside the store."""
+    return Path(store_path).parent / "trajectory"
 
 
 def _world_size() -> int:

@@ -313,8 +313,9 @@ def run_outputs(path: str | Path) -> tuple[Path, Path] | None:
 
 
 def _deepspeed_trajectory(store: Path) -> Path:
-    """Where ``attach`` keeps the trajectory when ``tda.trajectory.path`` is unset: beside the store."""
-    return store.parent / "trajectory"
+    from .deepspeed import default_trajectory_path     # the DeepSpeed integration's own default
+
+    return default_trajectory_path(store)
 
 
 def _read_run_json(meta_file: Path) -> dict[str, Any]:
