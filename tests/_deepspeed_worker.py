@@ -297,6 +297,30 @@ def check_errors(out: Path) -> None:
             tda.close()
 
     outcome("reserved_key", reserved_key)
+
+    def abandoned():            # `latest` names a checkpoint that a later rollback abandoned
+        tda = attach(engine, {**good, "store": {"path": str(root / "ab_store"), "flush_every": 1}})
+        folder = str(root / "ckpt_ab")
+
+        def steps(n):
+            for _ in range(n):
+                engine.backward(engine(batch))
+                engine.step()
+
+        try:
+            steps(1)
+            engine.save_checkpoint(folder, tag="early")
+            steps(2)
+            engine.save_checkpoint(folder, tag="late")
+            engine.load_checkpoint(folder, tag="early")      # the rollback
+            steps(3)                                         # past the late one's step, no checkpoint: a crash
+            tda.flush()
+            engine.load_checkpoint(folder)                   # `latest`: the abandoned late one
+            return "loaded"
+        finally:
+            tda.close()
+
+    outcome("abandoned", abandoned)
     if dist.get_rank() == 0:
         (root / "results.json").write_text(json.dumps(results, indent=1))
 

@@ -10,6 +10,7 @@ All tests here have ``deepspeed`` or ``zero`` in their names (``pytest -k deepsp
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,6 +241,9 @@ def test_deepspeed_bad_input_names_the_problem_and_disabled_touches_nothing(runs
     assert results["warm_start"].startswith("ok: global_steps=")          # load_module_only: no resume checks
     assert results["attach_twice"].startswith("ConfigError: attach: engine.step, engine.backward")
     assert results["reserved_key"].startswith("ConfigError: save_checkpoint: client_state key 'olmo_tda'")
+    # the rollback run passed the abandoned checkpoint's step: its step's rows are there again, of the new run
+    assert re.match(r"ConfigError: tda: the checkpoint of step (\d+) belongs to an abandoned run: a later resume cut "
+                    r"the store back to step (\d+)", results["abandoned"]), results["abandoned"]
 
 
 def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store(tmp_path):

@@ -715,6 +715,60 @@ def test_truncate_after_drops_later_steps_then_appending_resumes(tmp_path):
     assert store.shards[-1].seq == 3  # seq numbers are never reused
 
 
+def test_a_checkpoint_of_an_abandoned_run_is_refused_after_the_rollback_run_passes_its_step(tmp_path):
+    """Checkpoint A at step 8; a resume from step 4 abandons it; the rollback run writes steps 5-9 and
+    crashes before any checkpoint. A (what ``try_load_latest_save`` or DeepSpeed's ``latest`` would
+    pick) has its step's rows again, but of the new run: resuming it would keep that run's rows
+    before step 8 under A's model, so it is refused, naming the step the store was cut to. The
+    checkpoints of the run the store continues resume as before, and the log survives a reopen."""
+    from olmo_tda.config import ConfigError
+    from olmo_tda.integrations import check_rows_continue, resume_state
+
+    path = tmp_path / "s"
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        for r in random_records(range(1, 5), seed=1):
+            w.append(r)
+        w.flush()
+        old4 = {"store_id": w.store_id, **resume_state(w)}       # the checkpoints of steps 4 and 8 (A),
+        for r in random_records(range(5, 9), seed=3):           # both saved before the rollback
+            w.append(r)
+        w.flush()
+        old8 = {"store_id": w.store_id, **resume_state(w)}
+        check_rows_continue(w, old8, 8)
+        w.truncate_after(4)                      # the resume from step 4
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        assert w.timeline() == 1                 # the log is in the manifest
+        older = {k: v for k, v in old8.items() if k != "timeline"}  # a checkpoint from before the log: reach
+        with pytest.raises(ConfigError, match="it now holds them only up to step 4"):
+            check_rows_continue(w, older, 8)
+        for r in random_records(range(5, 10), seed=2):
+            w.append(r)
+        w.flush()
+        assert w.reached(8) == 8                 # rows up to A's step again: reach alone cannot tell
+        with pytest.raises(ConfigError, match="checkpoint of step 8 belongs to an abandoned run: a later resume "
+                                              "cut the store back to step 4"):
+            check_rows_continue(w, old8, 8)
+        check_rows_continue(w, old4, 4)          # the rollback's own checkpoint: on the run the store continues
+        new9 = {"store_id": w.store_id, **resume_state(w)}
+        check_rows_continue(w, new9, 9)
+        check_rows_continue(w, {**old8, "store_id": "another"}, 8)      # another store's: check_resume's case
+        w.truncate_after(9)                      # an ordinary crash-resume from step 9
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        check_rows_continue(w, new9, 9)
+        assert w.rolled_back_below(0, 8) == 4 and w.rolled_back_below(1, 8) is None
+        assert w.rolled_back_below(5, 8) is None         # a log shorter than the checkpoint's: cannot tell
+    data = json.loads((path / "manifest-r00000.json").read_text())
+    assert data["truncations"] == [4, 9]
+    data["truncations"] = [4, "nine"]
+    (path / "manifest-r00000.json").write_text(json.dumps(data))
+    with pytest.raises(StoreCorruptError, match="truncations must be a list of ints"):
+        GradientStore.open(path)
+    del data["truncations"]                      # a manifest from before the log: read, with an empty log
+    (path / "manifest-r00000.json").write_text(json.dumps(data))
+    with GradientStore.create(path, META, StoreConfig()) as w:
+        assert w.timeline() == 0 and w.rolled_back_below(0, 8) is None
+
+
 @pytest.mark.parametrize("change,stored_text,requested_text", [
     ({"projector_hash": "other-hash"}, '"kill-test"', '"other-hash"'),
     ({"capture": {"proj_dim": [6, 12], "seed": 0}}, "[6, 10]", "[6, 12]"),

@@ -54,7 +54,7 @@ from ..capture.hooks import Recording, _in_backward
 from ..config import ConfigError, LossReduction, TDAConfig
 from ..store import GradientRecord, GradientStore
 from ..store.record import cat_rows
-from . import cut_departed_ranks
+from . import check_rows_continue, cut_departed_ranks, resume_state
 
 __all__ = ["attach", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
 
@@ -353,7 +353,8 @@ class DeepSpeedTDA:
         """What a checkpoint needs to resume the store: plain types only."""
         return {"store": str(self.store.path), "store_id": self.store.store_id, "step": int(self.engine.global_steps),
                 "projector_hash": self.capture.projector_hash, "tokens_seen": self._tokens_seen,
-                "trajectory": self.trajectory.state_dict() if self.trajectory is not None else None}
+                "trajectory": self.trajectory.state_dict() if self.trajectory is not None else None,
+                **resume_state(self.store)}
 
     def load_state_dict(self, state: Mapping | None) -> None:
         """Resume after ``engine.load_checkpoint``: refuse other projectors, drop rows past the
@@ -363,6 +364,7 @@ class DeepSpeedTDA:
                               f"checkpoint's store used {state.get('projector_hash')}; keep tda.capture as it was")
         step = int(self.engine.global_steps)
         self.store.check_resume(state, step)    # another run's store here: refused before anything is cut
+        check_rows_continue(self.store, state, step)    # a checkpoint of an abandoned run: refused too
         if self._open is not None:
             self._open.close()
         self._open, self._open_rec, self._pending = None, None, []

@@ -60,7 +60,7 @@ from ..capture import GradientCapture
 from ..capture.eigenbasis import estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..store import GradientStore
-from . import cut_departed_ranks
+from . import check_rows_continue, cut_departed_ranks, resume_state
 
 try:
     from olmo.config import CheckpointType, TrainConfig
@@ -480,7 +480,7 @@ class TDATrainer(Trainer):
         if self.store is not None:
             state["tda"] = {"store": str(self.store.path), "step": self.global_step,
                             "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id,
-                            "reached": self.store.reached()}     # flushed: this rank's rows up to here
+                            **resume_state(self.store)}     # flushed: this rank's rows up to here
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
         if self.selector is not None:       # what a resume's log must hold to replay this step's order
@@ -503,7 +503,7 @@ class TDATrainer(Trainer):
                               f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
         if self.store is not None:          # another run's store here: refused before anything is cut
             self.store.check_resume(saved, self.global_step)
-            self._check_rows_reach(saved)
+            check_rows_continue(self.store, saved, self.global_step)
         if self.selector is not None:
             self._check_selection_log(state_dict.get("tda_selection"))
         if self.trajectory is not None:     # drops the abandoned run's later checkpoints
@@ -518,28 +518,6 @@ class TDATrainer(Trainer):
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
         cut_departed_ranks(self.store, self.global_step)     # resumed on fewer ranks: the others' later rows too
-
-    def _check_rows_reach(self, saved: dict[str, Any] | None) -> None:
-        """Refuse a checkpoint whose run's rows up to its step are no longer in the store: a later
-        rollback to an earlier checkpoint cut them, so this one is of the abandoned timeline (e.g.
-        ``try_load_latest_save`` picking it because the rollback run has not reached its step). Its
-        own rows would be missing, leaving a gap the resumed run never fills. Rank 0 decides (its
-        checkpoint state and shards); every rank raises alike."""
-        outcome: list[Any] = [None]
-        if _rank() == 0 and saved and saved.get("reached") is not None \
-                and saved.get("store_id") == self.store.store_id:
-            want, step = min(int(saved["reached"]), self.global_step), self.global_step
-            have = self.store.reached(step)
-            if have is None or have < want:
-                outcome = [f"tda: the checkpoint of step {step} was saved when the store {self.store.path} held "
-                           f"this run's rows up to step {want}, but it now holds them only up to step {have}: a "
-                           "later resume from an earlier checkpoint cut them, so this checkpoint belongs to an "
-                           "abandoned run and resuming it would leave those steps without rows. Resume from "
-                           "the checkpoint the store continues (--load_path=...), or remove this one"]
-        if _world_size() > 1:
-            dist.broadcast_object_list(outcome, src=0)
-        if outcome[0] is not None:
-            raise ConfigError(outcome[0])
 
     def _cut_metrics(self, step: int) -> None:
         """Keep ``tda/metrics.jsonl``'s rows up to ``step`` (written to a temp file, then renamed)."""

@@ -67,16 +67,19 @@ _STALE_STORE_JSON_TMP_S = 600.0  # store.json is written once, in milliseconds; 
 
 @dataclass
 class RankState:
-    """One rank's index: shards by seq, cumulative counters, and the next shard seq to use."""
+    """One rank's index: shards by seq, cumulative counters, the next shard seq to use, and the
+    steps its rows were truncated after, in order (each resume adds one; a checkpoint records how
+    many there were, so a later resume can tell a rollback below its step happened since)."""
 
     rank: int
     shards: dict[int, ShardInfo] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     next_seq: int = 0
+    truncations: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME + ".manifest", "format_version": 1, "rank": self.rank,
-                "next_seq": self.next_seq, "counters": dict(self.counters),
+                "next_seq": self.next_seq, "counters": dict(self.counters), "truncations": list(self.truncations),
                 "shards": [self.shards[s].to_json() for s in sorted(self.shards)]}
 
 
@@ -124,6 +127,10 @@ def _parse_manifest(data: Any, rank: int, path: Path) -> RankState:
             if not _is_count(counters[key]):
                 raise damaged(f"counters.{key}", f"must be an int >= 0, got {counters[key]!r}")
             state.counters[key] = counters[key]
+    truncations = data.get("truncations", [])      # absent: a manifest from before the log was kept
+    if not isinstance(truncations, list) or not all(_is_count(t) for t in truncations):
+        raise damaged("truncations", f"must be a list of ints >= 0, got {truncations!r}")
+    state.truncations = list(truncations)
     shards = data.get("shards")
     if not isinstance(shards, list):
         raise damaged("shards", f"must be a list, got {shards if 'shards' in data else '<absent>'!r}")

@@ -284,6 +284,23 @@ class StoreWriter:
             return max((info.step_max for info in shards), default=None)
         return max((min(info.step_max, step) for info in shards if info.step_min <= step), default=None)
 
+    def timeline(self) -> int:
+        """How many truncations this rank's rows have been through (a checkpoint records it; see
+        :meth:`rolled_back_below`)."""
+        with self._mutex:
+            return len(self._state.truncations)
+
+    def rolled_back_below(self, timeline: int, step: int) -> int | None:
+        """The first step this rank's rows were truncated after, below ``step``, since the checkpoint
+        that recorded ``timeline`` (:meth:`timeline`) was saved: it then belongs to a run a later
+        resume from an earlier checkpoint abandoned. None when there was no such truncation, or the
+        log no longer reaches back that far (a manifest rebuilt by ``repair``)."""
+        with self._mutex:
+            log = list(self._state.truncations)
+        if timeline > len(log):
+            return None
+        return next((cut for cut in log[timeline:] if cut < step), None)
+
     def departed_after(self, step: int, world_size: int) -> list[int]:
         """Ranks ``>= world_size`` (of an earlier run with more ranks) holding rows after ``step``."""
         return sorted({info.rank for info in self._other_shards if info.rank >= world_size and info.step_max > step})
@@ -602,7 +619,7 @@ class StoreWriter:
                 prepared.append(prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
                                               self.dtype, self._config.compression))
             truncated = RankState(rank=self.rank, shards=dict(state.shards), counters=dict(state.counters),
-                                  next_seq=state.next_seq)
+                                  next_seq=state.next_seq, truncations=[*state.truncations, int(step)])
             for info in gone:
                 del truncated.shards[info.seq]
             for _, new in prepared:
@@ -624,7 +641,7 @@ class StoreWriter:
                 with contextlib.suppress(OSError):
                     tmp.unlink(missing_ok=True)
             if manifest_written:
-                self._index_files_as_they_are(removed, partial)
+                self._index_files_as_they_are(removed, partial, step)
             raise
         self._window.drop_steps_after(step)
         self._window_keys = {s: v for s, v in self._window_keys.items() if s <= step}
@@ -637,16 +654,18 @@ class StoreWriter:
                         self.path, self.rank, step, dropped)
         return dropped
 
-    def _index_files_as_they_are(self, removed: list[ShardInfo], rewritten: list[ShardInfo]) -> None:
-        """After a truncation failed part-way through its file changes: drop the shards it removed
-        from the index and re-read the ones it may have rewritten from their files (the rows gone
-        from both are counted as truncated), then look keys up in the files as they are now."""
+    def _index_files_as_they_are(self, removed: list[ShardInfo], rewritten: list[ShardInfo], step: int) -> None:
+        """After a truncation after ``step`` failed part-way through its file changes: drop the shards
+        it removed from the index and re-read the ones it may have rewritten from their files (the
+        rows gone from both are counted as truncated), then look keys up in the files as they are
+        now. The truncation stays logged, as in the manifest written."""
         shapes = [stored_shape(layer) for layer in self.meta["layers"]]
         fresh = {}
         for info in rewritten:
             with contextlib.suppress(StoreError):  # unreadable now: the next open re-reads it anyway
                 fresh[info.seq] = read_shard_info(self.path, info.file, shapes, self.dtype)
         with self._mutex:
+            self._state.truncations.append(int(step))
             for info in removed:
                 del self._state.shards[info.seq]
                 self._state.counters["rows_truncated"] += info.num_rows
