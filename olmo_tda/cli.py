@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -117,13 +118,16 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     run = open_run(run_dir)
     answers = run.attribute(_read_queries(args), method=args.method, top_k=args.top_k,
                             progress=sys.stderr.isatty(), ids=ids, **options)
+    settings = _settings(args.method, run.last_info, options)
     if args.method == "influence":
         info = run.last_info
         damping = info["damping"]
         print(f"influence: hessian {info['hessian']}{', rank ' + str(info['rank']) if 'rank' in info else ''}, "
-              f"damping λ per layer {min(damping.values()):.3g}..{max(damping.values()):.3g} over {info['num_rows']} rows")
+              f"damping λ per layer {settings['damping']} over {info['num_rows']} rows")
         for answer in answers:
             answer["damping"] = damping
+    for answer in answers:
+        answer["settings"] = settings
     for answer in answers:
         print(f"\nquery: {answer['query'][:100]!r}")
         if "scored_tokens" in answer:
@@ -143,10 +147,22 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
                   "results": [{**r, "step": "all" if r["step"] < 0 else r["step"]} for r in a["results"]]}
                  for a in answers]
         write_attribution_report(Path(args.html), title=f"olmo_tda: {args.method} on {run_dir}",
-                                 summary={"run": str(run_dir), "method": args.method, "top_k": args.top_k},
+                                 summary={"run": str(run_dir), "top_k": args.top_k, **settings},
                                  queries=shown)
         print(f"wrote {args.html}")
     return 0
+
+
+def _settings(method: str, info: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """What decided an answer's scores, saved with it (JSON and HTML): the method, the options
+    given (route, query rank, ...) and what the method reports of itself, λ above all (as its
+    range over the layers)."""
+    out: dict[str, Any] = {"method": method, **options, **{k: v for k, v in info.items() if k != "damping"}}
+    damping = info.get("damping")
+    if damping:
+        low, high = min(damping.values()), max(damping.values())
+        out["damping"] = f"{low:.3g}" if low == high else f"{low:.3g}..{high:.3g}"
+    return out
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -14,8 +14,9 @@ by the smaller cost, or as forced with ``route=``. Dense·factors costs per row 
 units of the factorized route's Ko·Ki multiply-adds (benchmarks/routing.py, k=64, 2-core CPU):
 factorized ``Q·c``; materialized ``6.5 + 0.5·Q + 0.1·c`` — forming a tile is a fixed cost per row
 of about 6.5 units, and its GEMM (inner dimension Ko·Ki) runs twice as fast per multiply-add as
-the factorized one (inner dimension Ki). So few queries against small ranks go factorized
-(Q·c ≤ 4 always; Q=4, c=2 too), everything larger materialized.
+the factorized one (inner dimension Ki). So few queries against small ranks go factorized (one
+query up to c = 7, two or three up to c = 3 and 2, four at c = 2, up to 13 at c = 1), everything
+larger materialized.
 
 Those constants are one machine's, and near their crossover the faster route flips with the
 machine's state (benchmarks/routing.py saw Q=1, c=8 go either way by 1.2–1.6× between runs). So
@@ -71,14 +72,14 @@ _measured: dict[tuple, str] = {}    # shape key -> the faster route, measured in
 def flat(x: Rep) -> torch.Tensor:
     """``[N, Ko·Ki]`` dense rows (factors are materialized)."""
     dense = x.dense() if isinstance(x, LowRank) else x
-    return dense.reshape(dense.shape[0], -1)
+    return dense.reshape(dense.shape[0], math.prod(dense.shape[1:]))      # not -1: N may be 0
 
 
 def sq_norms(x: Rep) -> torch.Tensor:
     """``[N]`` squared Frobenius norms; for factors ``sum((AᵀA) ∘ (BᵀB))`` without forming Ĝ."""
     if isinstance(x, LowRank):
         return ((x.A.transpose(1, 2) @ x.A) * (x.B.transpose(1, 2) @ x.B)).sum(dim=(1, 2))
-    return (x.reshape(x.shape[0], -1) ** 2).sum(dim=1)
+    return (x.reshape(x.shape[0], math.prod(x.shape[1:])) ** 2).sum(dim=1)
 
 
 def _rank(x: Rep) -> int:
@@ -120,9 +121,16 @@ def _timing_key(num_q: int, num_n: int, k_out: int, k_in: int, rank_q: int, rank
     return (num_q, num_n, k_out, k_in, rank_q, rank_n, str(dtype), str(device), torch.get_num_threads())
 
 
+def _dtype(x: Rep) -> torch.dtype:
+    return x.A.dtype if isinstance(x, LowRank) else x.dtype
+
+
+def _to(x: Rep, dtype: torch.dtype) -> Rep:
+    return LowRank(x.A.to(dtype), x.B.to(dtype)) if isinstance(x, LowRank) else x.to(dtype)
+
+
 def _rep_key(x: Rep, y: Rep) -> tuple | None:
-    dtype = torch.promote_types(x.A.dtype if isinstance(x, LowRank) else x.dtype,
-                                y.A.dtype if isinstance(y, LowRank) else y.dtype)
+    dtype = torch.promote_types(_dtype(x), _dtype(y))
     device = x.A.device if isinstance(x, LowRank) else x.device
     return _timing_key(len(x), len(y), y.shape[1], y.shape[2], _rank(x), _rank(y), dtype, device)
 
@@ -183,6 +191,8 @@ def inner(x: Rep, y: Rep, route: str = "auto") -> torch.Tensor:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if tuple(x.shape[1:]) != tuple(y.shape[1:]):
         raise ValueError(f"inner: gradient shapes differ: {tuple(x.shape[1:])} vs {tuple(y.shape[1:])}")
+    dtype = torch.promote_types(_dtype(x), _dtype(y))       # every route computes in the same dtype
+    x, y = _to(x, dtype), _to(y, dtype)
     if route == "auto":
         key = _rep_key(x, y)
         if key is not None and key not in _measured:

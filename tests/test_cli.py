@@ -6,6 +6,8 @@ import json
 import os
 import runpy
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -63,10 +65,16 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
             assert results[0]["index"] == passage["index"], results[0]
     assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "lorif",
-                 "--rank", "16", "--json", str(tmp_path / "influence.json")]) == 0
+                 "--rank", "16", "--json", str(tmp_path / "influence.json"), "--html", str(tmp_path / "infl.html")]) == 0
     assert capsys.readouterr().out.startswith("influence: hessian lorif, rank 16, damping λ per layer")
     answer = json.loads((tmp_path / "influence.json").read_text())[0]
     assert answer["results"][0]["index"] == passage["index"] and len(answer["damping"]) == 9
+    # what decided the scores is saved with them, λ above all (its range over the layers)
+    settings, damping = answer["settings"], answer["damping"]
+    assert settings["method"] == "influence" and settings["hessian"] == "lorif" and settings["rank"] == 16
+    assert settings["damping"] == f"{min(damping.values()):.3g}..{max(damping.values()):.3g}"
+    page = (tmp_path / "infl.html").read_text(encoding="utf-8")
+    assert f"<tr><th>damping</th><td>{settings['damping']}</td></tr>" in page and "<td>lorif</td>" in page
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence",     # EK-FAC, the default
                  "--json", str(tmp_path / "ekfac.json")]) == 0
     assert capsys.readouterr().out.startswith("influence: hessian ekfac, damping λ per layer")
@@ -75,8 +83,8 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
                  "--json", str(tmp_path / "joint.json")]) == 0
     text = capsys.readouterr().out
     assert text.startswith("influence: hessian joint, damping λ per layer ")
-    lam = text.split("per layer ")[1].split(" over")[0].split("..")
-    assert lam[0] == lam[1]                                              # one λ for the whole model
+    lam = text.split("per layer ")[1].split(" over")[0]
+    assert ".." not in lam and float(lam) > 0                           # one λ for the whole model
     assert json.loads((tmp_path / "joint.json").read_text())[0]["results"][0]["index"] == passage["index"]
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "joint",
                  "--rank", "32", "--json", str(tmp_path / "joint32.json")]) == 0
@@ -87,6 +95,8 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
                  "--query-rank", "2", "--json", str(tmp_path / "q2.json")]) == 0
     from olmo_tda.integrations.olmo_query import open_run
     run = open_run(out / "run")
+    assert json.loads((tmp_path / "q2.json").read_text())[0]["settings"] == {"method": "graddot", "query_rank": 2,
+                                                                            "route": "auto"}
     got = json.loads((tmp_path / "q2.json").read_text())[0]["results"]
     want = run.attribute([passage["text"]], method="graddot", top_k=5, query_rank=2)[0]["results"]
     exact = run.attribute([passage["text"]], method="graddot", top_k=5)[0]["results"]
@@ -212,3 +222,19 @@ def test_docs_example_runs(capsys):
     runpy.run_path(str(ROOT / "docs" / "examples" / "plain_torch.py"), run_name="__main__")
     first = eval(capsys.readouterr().out.strip().splitlines()[-1])[0]   # noqa: S307 (our own print)
     assert first["index"] == 0
+
+
+def test_html_report_is_utf8_whatever_the_locale(tmp_path):
+    """The page says it is UTF-8: under an ASCII locale (C, no UTF-8 mode) passages in any script are
+    still written, as UTF-8, escaped."""
+    script = ("import sys; from pathlib import Path; from olmo_tda.report.html import write_attribution_report as w; "
+              "w(Path(sys.argv[1]), title='t', summary={'λ': '1e-3'}, queries=[{'query': 'café <b>', "
+              "'results': [{'index': 1, 'step': 2, 'score': 0.5, 'text': 'naïve 数据 \\U0001F600 </code>'}]}])")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0",
+           "PYTHONIOENCODING": ""}
+    (tmp_path / "w.py").write_text(script, encoding="utf-8")     # source files are read as UTF-8 anyway
+    done = subprocess.run([sys.executable, str(tmp_path / "w.py"), str(tmp_path / "r.html")], capture_output=True,
+                          text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "r.html").read_bytes().decode("utf-8")
+    assert "café &lt;b&gt;" in page and "naïve 数据 \U0001F600 &lt;/code&gt;" in page and "<th>λ</th>" in page

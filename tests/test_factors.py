@@ -117,3 +117,41 @@ def test_route_is_the_flop_rule():
     factorized = q * n * t * t * (ko + ki)
     materialized = (q + n) * t * ko * ki + q * n * ko * ki
     assert route(q, n, t, ki, ko) == ("factorized" if factorized < materialized else "materialized")
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16, torch.float64])
+def test_inner_computes_mixed_dtypes_alike_on_every_route(low):
+    """float32 queries against factors (or dense rows) of another dtype: every route gives the
+    promoted dtype's product of the explicit gradients (a factor route used to raise on the mix)."""
+    from olmo_tda.ops import inner
+    from olmo_tda.store.record import LowRank
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 4, generator=gen)
+    A, B = torch.randn(9, 6, 2, generator=gen).to(low), torch.randn(9, 4, 2, generator=gen).to(low)
+    dense = (A.double() @ B.double().transpose(1, 2))
+    tol = 1e-12 if low is torch.float64 else 1e-5
+    for y, rows in ((LowRank(A, B), dense), (dense.to(low), dense.to(low).double())):
+        want = dot_dense_dense(q.double(), rows)
+        for route in ("auto", "model", "factorized", "materialized"):
+            got = inner(q, y, route)
+            assert got.dtype == torch.promote_types(torch.float32, low), (route, got.dtype)
+            assert rel_err(got.double(), want) < tol, route
+            assert rel_err(inner(y, q, route).double(), want.T) < tol, route
+    assert rel_err(inner(LowRank(A, B), LowRank(A.float(), B.float()), "factorized").double(),
+                   dot_dense_dense(dense, dense)) < tol
+
+
+def test_inner_with_no_rows_on_either_side_is_empty_on_every_route():
+    from olmo_tda.ops import inner, sq_norms
+    from olmo_tda.store.record import LowRank
+
+    q, none = torch.randn(2, 6, 4), torch.zeros(0, 6, 4)
+    factors, no_factors = LowRank(torch.randn(3, 6, 2), torch.randn(3, 4, 2)), LowRank(torch.zeros(0, 6, 2),
+                                                                                        torch.zeros(0, 4, 2))
+    for x, y, shape in ((q, none, (2, 0)), (none, q, (0, 2)), (q, no_factors, (2, 0)), (no_factors, factors, (0, 3)),
+                        (factors, no_factors, (3, 0)), (none, no_factors, (0, 0))):
+        for route in ("auto", "model", "factorized", "materialized"):
+            assert inner(x, y, route).shape == shape, (route, shape)
+    assert sq_norms(none).shape == (0,) and sq_norms(no_factors).shape == (0,)
+    assert dot_dense_dense(none, q).shape == (0, 2)

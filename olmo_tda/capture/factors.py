@@ -125,7 +125,8 @@ def truncate_dense(grads_BKoKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, 
 
 def dot_dense_dense(q: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``[Q, N]`` of dense ``[Q, Ko, Ki]`` · dense ``[N, Ko, Ki]``."""
-    return q.reshape(len(q), -1) @ g.reshape(len(g), -1).T
+    width = q.shape[1] * q.shape[2]            # not -1: either side may have 0 rows
+    return q.reshape(len(q), width) @ g.reshape(len(g), width).T
 
 
 def dot_dense_factor(q: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:

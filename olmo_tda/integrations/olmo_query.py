@@ -237,7 +237,7 @@ class OLMoRun:
             queries, projector_hash = self.query_gradients(texts)
             result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash,
                                projector_specs=self.query_projector_specs, **method_options)
-            self.last_info = result.info
+        self.last_info = result.info        # what the method reports of this answer (λ, route, ...)
         out = []
         for text, rows in zip(texts, result.as_dicts()):
             for row in rows:

@@ -153,5 +153,5 @@ def write_attribution_report(path: Path, *, title: str, summary: dict[str, Any],
             parts.append(f"<tr{cls}><td>{rank}</td><td>{r['index']}</td><td>{r['step']}</td>"
                          f"<td>{r['score']:.4g}</td><td><code>{esc(r.get('text', ''))}</code></td></tr>")
         parts.append("</table>")
-    Path(path).write_text("".join(parts))
+    Path(path).write_text("".join(parts), encoding="utf-8", errors="replace")   # as the page declares
     return Path(path)
