@@ -133,11 +133,11 @@ def test_inner_computes_mixed_dtypes_alike_on_every_route(low):
     tol = 1e-12 if low is torch.float64 else 1e-5
     for y, rows in ((LowRank(A, B), dense), (dense.to(low), dense.to(low).double())):
         want = dot_dense_dense(q.double(), rows)
-        for route in ("auto", "model", "factorized", "materialized"):
-            got = inner(q, y, route)
-            assert got.dtype == torch.promote_types(torch.float32, low), (route, got.dtype)
-            assert rel_err(got.double(), want) < tol, route
-            assert rel_err(inner(y, q, route).double(), want.T) < tol, route
+        for how in ("auto", "model", "factorized", "materialized"):
+            got = inner(q, y, how)
+            assert got.dtype == torch.promote_types(torch.float32, low), (how, got.dtype)
+            assert rel_err(got.double(), want) < tol, how
+            assert rel_err(inner(y, q, how).double(), want.T) < tol, how
     assert rel_err(inner(LowRank(A, B), LowRank(A.float(), B.float()), "factorized").double(),
                    dot_dense_dense(dense, dense)) < tol
 
@@ -151,7 +151,7 @@ def test_inner_with_no_rows_on_either_side_is_empty_on_every_route():
                                                                                         torch.zeros(0, 4, 2))
     for x, y, shape in ((q, none, (2, 0)), (none, q, (0, 2)), (q, no_factors, (2, 0)), (no_factors, factors, (0, 3)),
                         (factors, no_factors, (3, 0)), (none, no_factors, (0, 0))):
-        for route in ("auto", "model", "factorized", "materialized"):
-            assert inner(x, y, route).shape == shape, (route, shape)
+        for how in ("auto", "model", "factorized", "materialized"):
+            assert inner(x, y, how).shape == shape, (how, shape)
     assert sq_norms(none).shape == (0,) and sq_norms(no_factors).shape == (0,)
     assert dot_dense_dense(none, q).shape == (0, 2)
