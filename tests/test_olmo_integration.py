@@ -146,6 +146,8 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
                                              reduction="sum").item() / tokens.numel()
     logged = {json.loads(x)["step"]: json.loads(x) for x in (run_dir / "tda" / "metrics.jsonl").read_text().splitlines()}
     assert abs(logged[4]["train/CrossEntropyLoss"] / want - 1) < 1e-4, (logged[4]["train/CrossEntropyLoss"], want)
+    # the capture counters are the run's (both ranks' rows), as the store holds them
+    assert [logged[s]["tda/rows_captured"] for s in range(1, 7)] == [float((block.steps <= s).sum()) for s in range(1, 7)]
 
 
 def test_sigkill_and_resume_leaves_no_duplicates_or_gaps(data_dir):
@@ -179,6 +181,10 @@ def test_sigkill_and_resume_leaves_no_duplicates_or_gaps(data_dir):
     assert sorted(set(block.steps.tolist())) == list(range(1, 15)), "missing steps after resume"
     for step in range(1, 15):
         assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
+    # the logged row count goes on from the checkpoint's, as if never interrupted
+    logged = [json.loads(x) for x in (run_dir / "tda" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, 15))
+    assert [m["tda/rows_captured"] for m in logged] == [float(s * GBS) for s in range(1, 15)]
 
 
 def test_disabled_is_plain_olmo(data_dir):

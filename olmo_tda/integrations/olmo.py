@@ -73,6 +73,8 @@ __all__ = ["TDATrainer", "RestartableLoader", "load_configs", "basis_path", "TDA
 
 log = logging.getLogger(__name__)
 
+_LOSS_KEYS = ("train/CrossEntropyLoss", "train/ZLoss")     # OLMo's rank-local losses on steps it does not log
+
 TDA_YAML = "tda.yaml"
 """Saved beside OLMo's ``config.yaml`` (which stays loadable by plain OLMo tools)."""
 BASIS_FILE = "basis.safetensors"
@@ -323,18 +325,19 @@ class TDATrainer(Trainer):
         self._write_order(new_order)
         self.dataset.start_index = start
         self.train_loader.restart()
-        for key in ("seconds", "examples_rescored", "examples_measured", "score_mean", "promoted_mean_score",
-                    "demoted_mean_score", "rank_corr_prev", "mean_loss_window"):
-            if stats.get(key) is not None:
-                metrics[f"tda/selection_{key}"] = float(stats[key])
+        logged = {f"tda/selection_{key}": float(stats[key])
+                  for key in ("seconds", "examples_rescored", "examples_measured", "score_mean", "promoted_mean_score",
+                              "demoted_mean_score", "rank_corr_prev", "mean_loss_window") if stats.get(key) is not None}
         for name, frac in (stats.get("source_frac_front") or {}).items():
-            metrics[f"tda/selection_front_frac/{name}"] = frac
+            logged[f"tda/selection_front_frac/{name}"] = frac
+        metrics.update(logged)      # tda/metrics.jsonl and OLMo's own logging of this step
         import wandb
 
-        if wandb.run is not None and stats["score_hist"]["counts"]:
+        if wandb.run is not None:   # and W&B at the round's step itself: OLMo logs only every log_interval
             hist = stats["score_hist"]
-            wandb.log({"tda/selection_scores": wandb.Histogram(np_histogram=(hist["counts"], hist["edges"]))},
-                      step=self.global_step)
+            if hist["counts"]:
+                logged["tda/selection_scores"] = wandb.Histogram(np_histogram=(hist["counts"], hist["edges"]))
+            wandb.log(logged, step=self.global_step)
 
     def _write_order(self, order: np.ndarray) -> None:
         """Write the epoch's order into OLMo's ``global_indices.npy`` (one writer per filesystem)."""
@@ -401,32 +404,35 @@ class TDATrainer(Trainer):
         if self.trajectory is not None and self.global_step == 1:    # θ_0, before the first update
             self._keep_trajectory(0)
         metrics = super().train_step(batch, reduce_global_loss=reduce_global_loss)
-        if self.tda.enabled and not reduce_global_loss and _world_size() > 1:
-            # tda/metrics.jsonl keeps every step's loss: OLMo averages it over the ranks only on the
-            # steps it logs, and rank 0's own loss is not the run's. Averaged here on a copy, so OLMo's
-            # own state (cur_train_loss, early stopping) is what OLMo made it
-            self._average_losses(metrics)
         if self.trajectory is not None:
             if self.global_step == 1:       # θ_0's lr: the one its gradient was used with (warmup's first)
                 self.trajectory.set_lrs(0, [float(g["lr"]) for g in self.optim.param_groups])
             self._keep_trajectory(self.global_step)
-        if self.store is not None and self._record is not None:
-            t1 = time.perf_counter()
-            lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
-            # the row's weight in the step's update: OLMo divides by this rank's tokens and DDP/FSDP
-            # average over the ranks, so TracIn's lr / loss_scale needs the global batch's tokens
-            record = self._record.to_record(step=self.global_step, lr=lr)
-            record.loss_scale = record.loss_scale * _world_size()
-            self.store.append(record)
-            self._rows_captured += len(self._record.ids)
-            self._record = None
+        counts: dict[str, float] = {}
+        if self.store is not None:
+            rows = 0
+            if self._record is not None:
+                t1 = time.perf_counter()
+                lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
+                # the row's weight in the step's update: OLMo divides by this rank's tokens and DDP/FSDP
+                # average over the ranks, so TracIn's lr / loss_scale needs the global batch's tokens
+                record = self._record.to_record(step=self.global_step, lr=lr)
+                record.loss_scale = record.loss_scale * _world_size()
+                self.store.append(record)
+                rows = len(self._record.ids)
+                self._record = None
+                metrics["tda/append_ms"] = 1e3 * (time.perf_counter() - t1)     # this rank's
             stats = self.store.stats
-            # logged by OLMo itself (console, W&B); per rank, like OLMo's local metrics
-            metrics["tda/rows_captured"] = float(self._rows_captured)
-            metrics["tda/rows_skipped_nonfinite"] = float(stats.get("rows_skipped_nonfinite", 0))
-            metrics["tda/examples_per_s"] = len(batch["index"]) / max(time.perf_counter() - t0, 1e-9)
-            metrics["tda/append_ms"] = 1e3 * (time.perf_counter() - t1)
-            metrics["tda/bytes_written"] = float(stats.get("rows_written", 0) * self._row_bytes)
+            # the run's, summed over the ranks below (each rank's own store counters are cumulative)
+            counts = {"tda/rows_captured": rows,
+                      "tda/rows_skipped_nonfinite": stats.get("rows_skipped_nonfinite", 0),
+                      "tda/examples_per_s": len(batch["index"]) / max(time.perf_counter() - t0, 1e-9),
+                      "tda/bytes_written": stats.get("rows_written", 0) * self._row_bytes}
+        # tda/metrics.jsonl keeps every step's loss: OLMo averages it over the ranks only on the steps
+        # it logs, and rank 0's own loss is not the run's. Averaged here on a copy, so OLMo's own state
+        # (cur_train_loss, early stopping) is what OLMo made it
+        losses = [k for k in _LOSS_KEYS if k in metrics] if self.tda.enabled and not reduce_global_loss else []
+        self._sum_over_ranks(metrics, losses, counts)
         if self.selector is not None and self.selector.due(self.global_step):
             self._selection_round(metrics)
         if self._metrics_file is not None:
@@ -435,15 +441,24 @@ class TDATrainer(Trainer):
             callback(self.global_step, metrics)
         return metrics
 
-    def _average_losses(self, metrics: dict[str, float]) -> None:
-        """``metrics``' rank-local losses replaced by their mean over the ranks (one all-reduce)."""
-        keys = [k for k in ("train/CrossEntropyLoss", "train/ZLoss") if k in metrics]
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values)
-        for key, value in zip(keys, (values / _world_size()).tolist()):
-            metrics[key] = value
-        if "train/CrossEntropyLoss" in metrics and "train/Perplexity" in metrics:
+    def _sum_over_ranks(self, metrics: dict[str, float], losses: list[str], counts: dict[str, float]) -> None:
+        """Into ``metrics``: the rank-local ``losses`` (keys of it) as their mean over the ranks and
+        ``counts`` as their sum, the run's, with one all-reduce; ``tda/rows_captured`` as the run's
+        total so far (carried over a resume by the checkpoint)."""
+        values = [metrics[k] for k in losses] + list(counts.values())
+        if values and _world_size() > 1:
+            summed = torch.tensor(values, dtype=torch.float64, device=self.device)
+            dist.all_reduce(summed)
+            values = summed.tolist()
+        for key, value in zip(losses, values):
+            metrics[key] = value / _world_size()
+        if losses and "train/CrossEntropyLoss" in metrics and "train/Perplexity" in metrics:
             metrics["train/Perplexity"] = math.exp(metrics["train/CrossEntropyLoss"])
+        for key, value in zip(counts, values[len(losses):]):
+            metrics[key] = float(value)
+        if counts:
+            self._rows_captured += int(metrics["tda/rows_captured"])
+            metrics["tda/rows_captured"] = float(self._rows_captured)
 
     def _keep_trajectory(self, step: int) -> None:
         self.trajectory.maybe_save(step, self._full_weights, lrs=[float(g["lr"]) for g in self.optim.param_groups],
@@ -480,6 +495,7 @@ class TDATrainer(Trainer):
         if self.store is not None:
             state["tda"] = {"store": str(self.store.path), "step": self.global_step,
                             "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id,
+                            "rows_captured": self._rows_captured,    # the run's, all ranks
                             **resume_state(self.store)}     # flushed: this rank's rows up to here
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
@@ -514,6 +530,7 @@ class TDATrainer(Trainer):
             self._reapply_selection()
         if self.store is None:
             return
+        self._rows_captured = int((saved or {}).get("rows_captured", 0))   # the log's count goes on from it
         dropped = self.store.truncate_after(self.global_step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
