@@ -105,6 +105,9 @@ def ds_config(case: dict, store: Path) -> dict:
             # fp16 autocast (runs on CPU): the ZeRO optimizer's GradScaler (2^16) multiplies the loss
             **({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}} if case["dtype"] == "autocast16" else {}),
             "steps_per_print": 10_000, "wall_clock_breakdown": False,
+            # resumed runs log the tda/* numbers through DeepSpeed's own monitor (CSV files on rank 0)
+            **({"csv_monitor": {"enabled": True, "output_path": str(store.parent / "monitor"), "job_name": "tda"}}
+               if case["save_at"] else {}),
             "tda": {"enabled": True, "capture": {"proj_dim": case["proj"], "rank": case["rank"],
                                                  # the token table too; the learned position table is
                                                  # broadcast over the batch (no per-example gradient);

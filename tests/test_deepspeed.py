@@ -196,6 +196,12 @@ def test_deepspeed_zero3_save_kill_load_continue_has_no_duplicate_or_missing_row
     assert len(keys) == len(set(keys)), "duplicate (id, step) after resume"
     want = {(int(i), s) for s in range(1, 9) for r in range(2) for m in range(2) for i in worker.ids_for(s, r, m, 2)}
     assert set(keys) == want, f"missing {sorted(want - set(keys))[:5]} extra {sorted(set(keys) - want)[:5]}"
+    # DeepSpeed's monitor got the run's row counts (both ranks), carried over the resume: the killed
+    # session's steps 1-6, then the resumed one's 4-8
+    logged = (crashed / "monitor" / "tda" / "tda_rows_captured.csv").read_text().split()
+    per_step = len(want) // 8
+    assert [float(line.split(",")[1]) for line in logged if not line.startswith("step")] == \
+        [float(per_step * s) for s in (1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8)]
     where = {key: k for k, key in enumerate(zip(straight.ids.tolist(), straight.steps.tolist()))}
     take = np.array([where[key] for key in keys])
     assert np.allclose(resumed.lr, straight.lr[take], rtol=1e-12)

@@ -118,6 +118,7 @@ class DeepSpeedTDA:
         self.steps_committed = 0
         self.steps_dropped = 0
         self.rows_captured = 0
+        self._rows_before = 0       # the run's rows before this session's (all ranks), from its checkpoint
         self._batch_info = batch_info
         self._explicit: tuple[Any, float] | None = None
         self._open: contextlib.ExitStack | None = None
@@ -319,9 +320,11 @@ class DeepSpeedTDA:
         self.steps_committed += 1
         self.rows_captured += len(ids)
         monitor = getattr(self.engine, "monitor", None)
-        if monitor is not None and monitor.enabled and _rank() == 0:
-            samples = int(getattr(self.engine, "global_samples", step))
-            monitor.write_events([(f"tda/{k}", float(v), samples) for k, v in self.metrics().items()])
+        if monitor is not None and monitor.enabled:       # the same on every rank: all join the reduction
+            numbers = self.run_metrics()
+            if _rank() == 0:
+                samples = int(getattr(self.engine, "global_samples", step))
+                monitor.write_events([(f"tda/{k}", float(v), samples) for k, v in numbers.items()])
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         orig = type(self.engine).save_checkpoint
@@ -332,7 +335,8 @@ class DeepSpeedTDA:
             raise ConfigError(f"save_checkpoint: client_state key {STATE_KEY!r} is olmo_tda's (its store position "
                               "goes there); rename yours")
         self.store.flush()                      # every committed step is durable before the checkpoint exists
-        bound.arguments["client_state"] = {**user_state, STATE_KEY: self.state_dict()}
+        state = {**self.state_dict(), "rows_captured_run": self.run_metrics()["rows_captured"]}   # every rank saves
+        bound.arguments["client_state"] = {**user_state, STATE_KEY: state}
         return orig(*bound.args, **bound.kwargs)
 
     def _load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -375,13 +379,27 @@ class DeepSpeedTDA:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, step)
         cut_departed_ranks(self.store, step)     # resumed on fewer ranks: the others' later rows too
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
+        self._rows_before, self.rows_captured = int((state or {}).get("rows_captured_run", 0)), 0
 
     def metrics(self) -> dict[str, float]:
-        """``tda/*`` numbers for logging (DeepSpeed's monitor gets them after every step on rank 0)."""
+        """This rank's ``tda/*`` numbers: rows and steps since :func:`attach` (or the last resume),
+        rows skipped for NaN/inf gradients over the store's life. :meth:`run_metrics` has the run's."""
         stats = self.store.stats if self.store is not None else {}
         return {"rows_captured": self.rows_captured, "steps_committed": self.steps_committed,
                 "steps_dropped_overflow": self.steps_dropped,
                 "rows_skipped_nonfinite": stats.get("rows_skipped_nonfinite", 0)}
+
+    def run_metrics(self) -> dict[str, float]:
+        """The run's ``tda/*`` numbers (what DeepSpeed's monitor gets after every step, on rank 0):
+        rows summed over the ranks and, through checkpoints, over the run's sessions. Collective:
+        every rank calls it."""
+        numbers = self.metrics()
+        sums = [numbers["rows_captured"], numbers["rows_skipped_nonfinite"]]
+        if _world_size() > 1:
+            summed = torch.tensor(sums, dtype=torch.float64, device=self.engine.device)
+            dist.all_reduce(summed)
+            sums = [int(v) for v in summed.tolist()]
+        return {**numbers, "rows_captured": self._rows_before + sums[0], "rows_skipped_nonfinite": sums[1]}
 
     # -- lifetime ----------------------------------------------------------------------------------
 
