@@ -394,6 +394,33 @@ def test_verify_finds_a_flipped_bit_inside_a_complete_shard(tmp_path, compressio
     assert GradientStore.open(path).verify()["unchecked"] == ["shards/r00000-00000000.h5"]
 
 
+def test_verify_lists_shards_a_live_writer_truncated_as_changed_not_damaged(tmp_path, capsys):
+    """A reader opened while its writer runs; the writer's ``truncate_after`` (a resume) then rewrites
+    one shard and removes another. ``verify`` lists both as changed while read (not damage: the CLI
+    exits 0), checks the untouched one, and after ``refresh`` checks what is there now."""
+    from olmo_tda.cli import main
+
+    path = tmp_path / "s"
+    w = writer(path, flush_every=2)
+    try:
+        for step in range(6):
+            w.append(record(step, rows=3))
+        w.flush()                                       # shards 0 (steps 0-1), 1 (2-3), 2 (4-5)
+        store = GradientStore.open(path)
+        assert [s.file for s in store.shards][-2:] == ["shards/r00000-00000001.h5", "shards/r00000-00000002.h5"]
+        w.truncate_after(2)                             # shard 1 rewritten (step 2 only), shard 2 removed
+        found = store.verify()
+        assert found["changed"] == ["shards/r00000-00000001.h5", "shards/r00000-00000002.h5"]
+        assert found["damaged"] == [] and found["datasets"] == 6     # shard 0, checked
+        assert main(["inspect", str(path), "--verify"]) == 0
+        store.refresh()
+        again = store.verify()
+        assert again["changed"] == [] and again["damaged"] == [] and again["datasets"] == 2 * 6
+    finally:
+        w.close()
+    capsys.readouterr()
+
+
 def test_a_shard_whose_key_column_cannot_be_found_names_it(tmp_path):
     path = tmp_path / "s"
     with writer(path, flush_every=2) as w:
