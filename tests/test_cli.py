@@ -238,3 +238,27 @@ def test_html_report_is_utf8_whatever_the_locale(tmp_path):
     assert done.returncode == 0, done.stderr
     page = (tmp_path / "r.html").read_bytes().decode("utf-8")
     assert "café &lt;b&gt;" in page and "naïve 数据 \U0001F600 &lt;/code&gt;" in page and "<th>λ</th>" in page
+
+
+def test_demo_into_a_folder_named_with_yaml_syntax_and_its_queries_uncut(tmp_path, caplog):
+    """A folder whose name has `,` and `]` (which OLMo's dotted overrides read as YAML) holds the whole
+    demo, and the demo's free-text queries fit the model's context, so none is cut (or warned about).
+    The API with a tiny config: the same path as `olmo-tda demo`, in seconds instead of a minute."""
+    import logging
+
+    from olmo_tda.demo.run import FREE_QUERIES, DemoConfig, run_demo
+    from olmo_tda.integrations.olmo_query import open_run
+
+    out = tmp_path / "out,1]x"
+    with caplog.at_level(logging.WARNING, logger="olmo_tda"):
+        summary = run_demo(out, DemoConfig(num_passages=64, epochs=1, num_self_queries=2), progress=False)
+    assert summary.examples_captured == 64
+    assert all((out / name).is_file() for name in ("report.html", "results.json", "training.png"))
+    saved = yaml.safe_load((out / "run" / "config.yaml").read_text())
+    assert saved["data"]["paths"] == [str(out / "data" / "train.npy")] and Path(saved["save_folder"]) == out / "run"
+    run = open_run(out / "run")
+    limit = run.cfg.model.max_sequence_length
+    assert all(len(run.tokenizer.encode(q)) <= limit for q in FREE_QUERIES), [len(q.encode()) for q in FREE_QUERIES]
+    free = [a for a in summary.results if a["kind"] == "free-text query"]
+    assert [a["query"] for a in free] == FREE_QUERIES and not any("scored_tokens" in a for a in free)
+    assert "max_sequence_length) are scored" not in caplog.text

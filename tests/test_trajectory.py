@@ -8,12 +8,15 @@ step and timeline) and the learning rates fed in.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 from conftest import rel_err
 from olmo_tda.config import TrajectoryConfig
@@ -199,3 +202,37 @@ def test_a_skipped_step_leaves_next_lrs_to_the_next_step_taken(tmp_path):
 
 def _marked(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((2, 2), float(step + 1))}
+
+
+@pytest.mark.parametrize("cause", ["safetensors", "oserror"])
+def test_a_failed_write_names_the_checkpoint_and_keeps_the_earlier_ones(tmp_path, monkeypatch, cause):
+    """A full disk mid-write: one TrajectoryError (a RuntimeError, which the CLI prints in one line)
+    naming the checkpoint and the cause, no ``.tmp`` folder left, the earlier checkpoint loading with
+    its exact weights, and the next save (space freed) given the ordinal the failed one would have had."""
+    traj = Trajectory(TrajectoryConfig(enabled=True, every=4), tmp_path / "t")
+    traj.maybe_save(0, _marked(0), lrs=[1.0], tokens_seen=0)
+    real_save_file = safetensors.torch.save_file
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        with open(filename, "wb") as f:              # what a real full disk leaves: a partial file
+            f.write(b"\0" * 10)
+        if cause == "safetensors":                  # safetensors' own wording of ENOSPC
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(TrajectoryError) as info:
+        for s in range(1, 5):
+            traj.maybe_save(s, _marked(s), lrs=[1.0], tokens_seen=s)
+    message = str(info.value)
+    assert message.startswith(f"cannot write trajectory checkpoint {traj.path / 'step00000004'}: the disk is full")
+    assert "No space left on device" in message and "tda.trajectory.path" in message
+    assert sorted(p.name for p in traj.path.iterdir()) == ["step00000000"]
+    (kept,) = Trajectory.list(traj.path)
+    assert kept.step == 0 and kept.ordinal == 0
+    assert torch.equal(kept.load()["w"], _marked(0)["w"])
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save_file)
+    ckpt = traj.save(4, _marked(4), lrs=[1.0], tokens_seen=4)
+    assert ckpt.ordinal == 1 and torch.equal(ckpt.load()["w"], _marked(4)["w"])
+    assert _steps(traj.path) == [0, 4]

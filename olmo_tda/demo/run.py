@@ -27,9 +27,10 @@ __all__ = ["DemoConfig", "DemoSummary", "run_demo", "demo_config_path"]
 
 log = logging.getLogger(__name__)
 
+# Each fits the demo model's 64-token context (a byte tokenizer: one token per UTF-8 byte), else it is cut.
 FREE_QUERIES = [
-    "The for statement is used to iterate over the elements of a sequence",
-    "Return a new dictionary initialized from an optional positional argument",
+    "The for statement iterates over the elements of a sequence",
+    "Return a new dictionary initialized from an optional argument",
     "raise an exception if the file does not exist",
 ]
 
@@ -86,10 +87,13 @@ def run_demo(out_dir: str | Path, cfg: DemoConfig | None = None, *, progress: bo
     data = write_memmap(passages, out / "data" / "train.npy", seq_len)
     steps = cfg.num_passages // cfg.batch_size * cfg.epochs
     train_cfg, tda_cfg = load_configs(demo_config_path(), [
-        f"--data.paths=[{data}]", f"--save_folder={out / 'run'}", f"--max_duration={steps}", f"--stop_at={steps}",
-        f"--save_interval_unsharded={steps}", f"--global_train_batch_size={cfg.batch_size}",
-        f"--tda.capture.proj_dim={cfg.proj_dim}", f"--tda.capture.seed={cfg.seed}", "--console_log_interval=1000000",
+        f"--max_duration={steps}", f"--stop_at={steps}", f"--save_interval_unsharded={steps}",
+        f"--global_train_batch_size={cfg.batch_size}", f"--tda.capture.proj_dim={cfg.proj_dim}",
+        f"--tda.capture.seed={cfg.seed}", "--console_log_interval=1000000",
         f"--tda.trajectory.every={max(1, steps // 4)}"])      # 5 trajectory checkpoints for TracIn
+    # paths set on the config, not as overrides: OLMo's override parser reads `,` and `]` in a path as YAML
+    train_cfg.data.paths = [str(data)]
+    train_cfg.save_folder = str(out / "run")
     bar = tqdm(total=steps, desc="demo: OLMo pretraining with capture", unit="step", disable=not progress)
 
     def on_step(step: int, metrics: dict) -> None:

@@ -24,11 +24,12 @@ class StoreWriteError(StoreError):
     """Writing a shard failed in the background writer; nothing already durable was damaged."""
 
 
-def describe_os_error(exc: BaseException) -> str:
-    """Human cause of an I/O failure; disk-full and file-too-large get a plain-words remedy."""
+def describe_os_error(exc: BaseException, full_remedy: str = "Free space or move store.path") -> str:
+    """Human cause of an I/O failure; disk-full (``full_remedy``: what to do about it, for the files
+    at hand) and file-too-large get a plain-words remedy."""
     code = getattr(exc, "errno", None)
     if code == errno.ENOSPC or code == errno.EDQUOT:
-        return f"the disk is full (or the quota is exhausted): {exc}. Free space or move store.path"
+        return f"the disk is full (or the quota is exhausted): {exc}. {full_remedy}"
     if code == errno.EFBIG:
         return f"file too large for this filesystem or process limit (ulimit -f): {exc}"
     if code == errno.ENOTDIR:

@@ -47,6 +47,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..config import StoreDType, TrajectoryConfig, TrajectoryRetention, TrajectorySchedule
+from ..store.errors import describe_os_error
 from ..store.format import torch_dtype
 
 __all__ = ["Trajectory", "TrajectoryCheckpoint", "TrajectoryError"]
@@ -313,32 +315,44 @@ class Trajectory:
 
     def save(self, step: int, weights: Mapping[str, torch.Tensor], *, lrs: list[float],
              tokens_seen: int) -> TrajectoryCheckpoint:
-        """Write one checkpoint atomically (tmp dir, fsync, rename), then apply the retention."""
+        """Write one checkpoint atomically (tmp dir, fsync, rename), then apply the retention. Raises
+        :class:`TrajectoryError` naming the checkpoint and the cause (a full disk, say) if the write fails;
+        the half-written folder is removed and the checkpoints saved before are left as they were."""
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         dtype = torch_dtype(self.config.dtype)
         final = self.path / _dirname(step)
         tmp = self.path / (_dirname(step) + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
-        save_file(tensors, str(tmp / "model.safetensors"))
-        nbytes = (tmp / "model.safetensors").stat().st_size
         ordinal = self._save_count()
-        meta = {"step": int(step), "ordinal": ordinal, "tokens_seen": int(tokens_seen), "lrs": [float(x) for x in lrs],
-                "next_lrs": None, "next_lrs_step": None, "data_order_version": int(self.data_order_version),
-                "projector_hash": self.projector_hash, "dtype": StoreDType(self.config.dtype).value,
-                "bytes": nbytes, "write_id": uuid.uuid4().hex, "format_version": 3}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
-        old = self.path / (_dirname(step) + ".old.tmp")
-        if final.exists():          # an abandoned timeline's checkpoint at this step: out of the listing first
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(self.path)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file(tensors, str(tmp / "model.safetensors"))
+            nbytes = (tmp / "model.safetensors").stat().st_size
+            meta = {"step": int(step), "ordinal": ordinal, "tokens_seen": int(tokens_seen),
+                    "lrs": [float(x) for x in lrs], "next_lrs": None, "next_lrs_step": None,
+                    "data_order_version": int(self.data_order_version), "projector_hash": self.projector_hash,
+                    "dtype": StoreDType(self.config.dtype).value, "bytes": nbytes, "write_id": uuid.uuid4().hex,
+                    "format_version": 3}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            for f in tmp.iterdir():
+                _fsync(f)
+            _fsync(tmp)
+            old = self.path / (_dirname(step) + ".old.tmp")
+            if final.exists():      # an abandoned timeline's checkpoint at this step: out of the listing first
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            _fsync(self.path)
+        except (OSError, SafetensorError) as e:
+            # SafetensorError is no OSError: without this a full disk is a raw Rust-error traceback
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise TrajectoryError(f"cannot write trajectory checkpoint {final}: {_describe_write_error(e, tmp)}; "
+                                  f"the checkpoints saved before step {step} are intact. Checkpoints go to "
+                                  f"tda.trajectory.path (another disk is fine), or keep fewer "
+                                  f"(tda.trajectory.every, retention)") from e
         shutil.rmtree(old, ignore_errors=True)
         self._saves = ordinal + 1
         self._awaiting = int(step)
@@ -411,6 +425,14 @@ class Trajectory:
         return {"path": str(path), "checkpoints": len(kept), "steps": [c.step for c in kept],
                 "bytes": sum(c.bytes for c in kept), "dtype": kept[0].dtype if kept else None,
                 "lrs": [c.lr for c in kept]}
+
+
+def _describe_write_error(exc: BaseException, tmp: Path) -> str:
+    """An OSError in plain words; safetensors' error too when it wraps one (``... (os error 28)``)."""
+    if not isinstance(exc, OSError) and (code := re.search(r"\(os error (\d+)\)", str(exc))):
+        exc = OSError(int(code[1]), os.strerror(int(code[1])), str(tmp / "model.safetensors"))
+    return describe_os_error(exc, "Free space") if isinstance(exc, OSError) \
+        else f"safetensors could not write it ({exc})"
 
 
 def _dirname(step: int) -> str:
