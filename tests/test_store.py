@@ -737,7 +737,7 @@ def test_a_checkpoint_of_an_abandoned_run_is_refused_after_the_rollback_run_pass
         check_rows_continue(w, old8, 8)
         w.truncate_after(4)                      # the resume from step 4
     with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
-        assert w.timeline() == 1                 # the log is in the manifest
+        assert w.timeline()[1] == 1              # the log is in the manifest
         older = {k: v for k, v in old8.items() if k != "timeline"}  # a checkpoint from before the log: reach
         with pytest.raises(ConfigError, match="it now holds them only up to step 4"):
             check_rows_continue(w, older, 8)
@@ -758,15 +758,31 @@ def test_a_checkpoint_of_an_abandoned_run_is_refused_after_the_rollback_run_pass
         assert w.rolled_back_below(0, 8) == 4 and w.rolled_back_below(1, 8) is None
         assert w.rolled_back_below(5, 8) is None         # a log shorter than the checkpoint's: cannot tell
     data = json.loads((path / "manifest-r00000.json").read_text())
-    assert data["truncations"] == [4, 9]
+    assert data["truncations"] == [4, 9] and data["log_id"] == new9["timeline_id"] == old8["timeline_id"]
+    # a manifest rebuilt from the shards (repair) starts a new, empty log: every cut in it came after
+    # any checkpoint saved before, so a rollback below one is still seen once the new log has grown
+    (path / "manifest-r00000.json").write_text("{damaged")
+    with pytest.warns(RuntimeWarning, match="rebuilding unreadable manifest"):
+        GradientStore.open(path, repair=True)
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        assert w.timeline()[1] == 0 and w.timeline()[0] != new9["timeline_id"]
+        w.truncate_after(6)
+        for r in random_records(range(7, 11), seed=4):
+            w.append(r)
+        w.flush()
+        assert w.timeline()[1] == 1             # as long as the log new9 recorded, but another log
+        with pytest.raises(ConfigError, match="checkpoint of step 9 belongs to an abandoned run: a later resume "
+                                              "cut the store back to step 6"):
+            check_rows_continue(w, new9, 9)
+    data = json.loads((path / "manifest-r00000.json").read_text())
     data["truncations"] = [4, "nine"]
     (path / "manifest-r00000.json").write_text(json.dumps(data))
     with pytest.raises(StoreCorruptError, match="truncations must be a list of ints"):
         GradientStore.open(path)
-    del data["truncations"]                      # a manifest from before the log: read, with an empty log
+    del data["truncations"], data["log_id"]      # a manifest from before the log: read, with an empty log
     (path / "manifest-r00000.json").write_text(json.dumps(data))
     with GradientStore.create(path, META, StoreConfig()) as w:
-        assert w.timeline() == 0 and w.rolled_back_below(0, 8) is None
+        assert w.timeline()[1] == 0 and w.rolled_back_below(0, 8) is None
 
 
 @pytest.mark.parametrize("change,stored_text,requested_text", [

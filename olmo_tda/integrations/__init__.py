@@ -43,7 +43,8 @@ def cut_departed_ranks(store: Any, step: int) -> None:
 def resume_state(store: Any) -> dict[str, Any]:
     """What a checkpoint records of the store's position, beside its path, id and step: this rank's
     last durable step (flushed first) and how many truncations its rows have been through."""
-    return {"reached": store.reached(), "timeline": store.timeline()}
+    log_id, count = store.timeline()
+    return {"reached": store.reached(), "timeline": count, "timeline_id": log_id}
 
 
 def check_rows_continue(store: Any, saved: dict[str, Any] | None, step: int) -> None:
@@ -64,7 +65,7 @@ def check_rows_continue(store: Any, saved: dict[str, Any] | None, step: int) -> 
     if rank == 0 and saved and saved.get("store_id") == store.store_id:
         why = None
         if saved.get("timeline") is not None:
-            cut = store.rolled_back_below(int(saved["timeline"]), step)
+            cut = store.rolled_back_below((saved.get("timeline_id"), int(saved["timeline"])), step)
             if cut is not None:
                 why = f"a later resume cut the store back to step {cut}"
         if why is None and saved.get("reached") is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import uuid
 import logging
 import os
 import re
@@ -69,17 +70,20 @@ _STALE_STORE_JSON_TMP_S = 600.0  # store.json is written once, in milliseconds; 
 class RankState:
     """One rank's index: shards by seq, cumulative counters, the next shard seq to use, and the
     steps its rows were truncated after, in order (each resume adds one; a checkpoint records how
-    many there were, so a later resume can tell a rollback below its step happened since)."""
+    many there were, so a later resume can tell a rollback below its step happened since), under an
+    id of its own: a log rebuilt from the shard files (``repair``) starts empty under a new id."""
 
     rank: int
     shards: dict[int, ShardInfo] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     next_seq: int = 0
     truncations: list[int] = field(default_factory=list)
+    log_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME + ".manifest", "format_version": 1, "rank": self.rank,
                 "next_seq": self.next_seq, "counters": dict(self.counters), "truncations": list(self.truncations),
+                "log_id": self.log_id,
                 "shards": [self.shards[s].to_json() for s in sorted(self.shards)]}
 
 
@@ -131,6 +135,10 @@ def _parse_manifest(data: Any, rank: int, path: Path) -> RankState:
     if not isinstance(truncations, list) or not all(_is_count(t) for t in truncations):
         raise damaged("truncations", f"must be a list of ints >= 0, got {truncations!r}")
     state.truncations = list(truncations)
+    if "log_id" in data:                            # absent: from before the log (a new id, an empty log)
+        if not isinstance(data["log_id"], str) or not data["log_id"]:
+            raise damaged("log_id", f"must be a non-empty string, got {data['log_id']!r}")
+        state.log_id = data["log_id"]
     shards = data.get("shards")
     if not isinstance(shards, list):
         raise damaged("shards", f"must be a list, got {shards if 'shards' in data else '<absent>'!r}")

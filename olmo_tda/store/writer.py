@@ -284,22 +284,23 @@ class StoreWriter:
             return max((info.step_max for info in shards), default=None)
         return max((min(info.step_max, step) for info in shards if info.step_min <= step), default=None)
 
-    def timeline(self) -> int:
-        """How many truncations this rank's rows have been through (a checkpoint records it; see
+    def timeline(self) -> tuple[str, int]:
+        """``(log id, truncations so far)`` of this rank's rows: a checkpoint records it (see
         :meth:`rolled_back_below`)."""
         with self._mutex:
-            return len(self._state.truncations)
+            return self._state.log_id, len(self._state.truncations)
 
-    def rolled_back_below(self, timeline: int, step: int) -> int | None:
+    def rolled_back_below(self, timeline: tuple[str, int] | int, step: int) -> int | None:
         """The first step this rank's rows were truncated after, below ``step``, since the checkpoint
         that recorded ``timeline`` (:meth:`timeline`) was saved: it then belongs to a run a later
-        resume from an earlier checkpoint abandoned. None when there was no such truncation, or the
-        log no longer reaches back that far (a manifest rebuilt by ``repair``)."""
+        resume from an earlier checkpoint abandoned. None when there was no such truncation. A log
+        rebuilt since (``repair``: another id) holds only truncations after the checkpoint, all
+        checked."""
+        log_id, count = timeline if isinstance(timeline, (tuple, list)) else (None, timeline)
         with self._mutex:
-            log = list(self._state.truncations)
-        if timeline > len(log):
-            return None
-        return next((cut for cut in log[timeline:] if cut < step), None)
+            log, current = list(self._state.truncations), self._state.log_id
+        since = log if log_id is not None and log_id != current else log[count:]
+        return next((cut for cut in since if cut < step), None)
 
     def departed_after(self, step: int, world_size: int) -> list[int]:
         """Ranks ``>= world_size`` (of an earlier run with more ranks) holding rows after ``step``."""
@@ -619,7 +620,8 @@ class StoreWriter:
                 prepared.append(prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
                                               self.dtype, self._config.compression))
             truncated = RankState(rank=self.rank, shards=dict(state.shards), counters=dict(state.counters),
-                                  next_seq=state.next_seq, truncations=[*state.truncations, int(step)])
+                                  next_seq=state.next_seq, truncations=[*state.truncations, int(step)],
+                                  log_id=state.log_id)
             for info in gone:
                 del truncated.shards[info.seq]
             for _, new in prepared:
