@@ -316,6 +316,7 @@ def check_errors(out: Path) -> None:
             steps(2)
             engine.save_checkpoint(folder, tag="late")
             engine.load_checkpoint(folder, tag="early")      # the rollback
+            results["rollback_metrics"] = tda.metrics()      # this rank's counts start again at the resume
             steps(3)                                         # past the late one's step, no checkpoint: a crash
             tda.flush()
             engine.load_checkpoint(folder)                   # `latest`: the abandoned late one

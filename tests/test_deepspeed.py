@@ -247,6 +247,8 @@ def test_deepspeed_bad_input_names_the_problem_and_disabled_touches_nothing(runs
     assert results["warm_start"].startswith("ok: global_steps=")          # load_module_only: no resume checks
     assert results["attach_twice"].startswith("ConfigError: attach: engine.step, engine.backward")
     assert results["reserved_key"].startswith("ConfigError: save_checkpoint: client_state key 'olmo_tda'")
+    assert results["rollback_metrics"] == {"rows_captured": 0, "steps_committed": 0, "steps_dropped_overflow": 0,
+                                           "rows_skipped_nonfinite": 0}
     # the rollback run passed the abandoned checkpoint's step: its step's rows are there again, of the new run
     assert re.match(r"ConfigError: tda: the checkpoint of step (\d+) belongs to an abandoned run: a later resume cut "
                     r"the store back to step (\d+)", results["abandoned"]), results["abandoned"]

@@ -305,6 +305,7 @@ class DeepSpeedTDA:
             self.steps_dropped += 1
             log.info("tda: step %d was skipped by the engine (overflow); its %d examples are not recorded",
                      engine.global_steps, sum(len(r.ids) for r in records))
+        self._monitor(int(engine.global_steps))
         return out
 
     def _commit(self, records: list[Recording], step: int, lr: float) -> None:
@@ -319,8 +320,13 @@ class DeepSpeedTDA:
         self.store.append(GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads))
         self.steps_committed += 1
         self.rows_captured += len(ids)
+
+    def _monitor(self, step: int) -> None:
+        """The run's numbers to DeepSpeed's monitor after an optimizer step. Every rank comes here at
+        every step (a rank without records too) and ``monitor.enabled`` is the config's, the same on
+        every rank: all join the reduction."""
         monitor = getattr(self.engine, "monitor", None)
-        if monitor is not None and monitor.enabled:       # the same on every rank: all join the reduction
+        if monitor is not None and monitor.enabled:
             numbers = self.run_metrics()
             if _rank() == 0:
                 samples = int(getattr(self.engine, "global_samples", step))
@@ -379,7 +385,8 @@ class DeepSpeedTDA:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, step)
         cut_departed_ranks(self.store, step)     # resumed on fewer ranks: the others' later rows too
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
-        self._rows_before, self.rows_captured = int((state or {}).get("rows_captured_run", 0)), 0
+        self._rows_before = int((state or {}).get("rows_captured_run", 0))
+        self.rows_captured = self.steps_committed = self.steps_dropped = 0      # this rank's, since the resume
 
     def metrics(self) -> dict[str, float]:
         """This rank's ``tda/*`` numbers: rows and steps since :func:`attach` (or the last resume),
