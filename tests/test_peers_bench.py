@@ -192,6 +192,30 @@ def test_missing_peer_becomes_a_failed_row():
     assert "failed: install: import no_such_peer_module" in text and "| LogIX (logix-ai) | 0.1.1 | 50 | 2.0 |" in text
 
 
+def test_table_says_what_failed_and_compares_ours_at_the_same_floats():
+    """A failed in-loop run is "failed" (not "post hoc only", a claim about the peer); a row whose
+    median rests on fewer repeats than asked says so; our best agreement "at the same stored floats"
+    leaves out a row of ours that keeps more floats per example than the default."""
+    import run as peers
+
+    ok = {"ok": True, "examples_per_s": 100.0, "query_s": 0.5, "bytes_per_example": 10.0, "peak_rss_mb": 1.0,
+          "settings": "s", "floats_per_example": 832}
+    status = {s: {"ok": True, "version": "1"} for s in ("olmo_tda", "olmo_tda_head", "olmo_tda_budget", "dattri_llm",
+                                                         "logix")}
+    attr = {"olmo_tda": [ok], "olmo_tda_head": [{**ok, "floats_per_example": 900}],
+            "olmo_tda_budget": [{**ok, "floats_per_example": 832}], "dattri_llm": [ok],
+            "logix": [ok, {"ok": False, "error": "RuntimeError: boom"}, {**ok, "examples_per_s": 50.0}]}
+    loop = {"olmo_tda": [{"ok": True, "overhead": 0.1, "plain_step_s": 1, "capture_step_s": 1.1}],
+            "dattri_llm": [{"ok": False, "error": "TypeError: hooks"}]}
+    spear = {"olmo_tda": 0.5, "olmo_tda_head": 0.99, "olmo_tda_budget": 0.9, "dattri_llm": 0.4, "logix": 0.45}
+    rows = peers.summarize(list(attr), attr, loop, spear, status)
+    text = "\n".join(peers.table(rows))
+    assert "| dattri-llm | 1 | 100 | 1.0 | failed | — |" in text
+    assert "| LogIX (logix-ai) (2 of 3 repeats ran) | 1 | 75 |" in text
+    assert rows["logix"]["repeat_error"] == "RuntimeError: boom"
+    assert peers.headline(rows)["spearman_ours_best"] == 0.9        # not the over-budget row's 0.99
+
+
 @pytest.mark.parametrize("arch", W.ARCHS)
 def test_run_with_ours_only_prints_json(tmp_path, arch):
     out = subprocess.run([sys.executable, str(PEERS / "run.py"), "--systems", "olmo_tda", "--repeats", "1",

@@ -98,7 +98,10 @@ def summarize(systems: list[str], attr: dict, loop: dict, spearman: dict, status
             row.update(examples_per_s=_median(ok, "examples_per_s"), query_s=_median(ok, "query_s"),
                        bare_pass_examples_per_s=_median(ok, "bare_pass_examples_per_s"),
                        bytes_per_example=_median(ok, "bytes_per_example"), peak_rss_mb=_median(ok, "peak_rss_mb"),
-                       spearman=spearman.get(s), settings=ok[0].get("settings"), repeats=len(ok))
+                       spearman=spearman.get(s), settings=ok[0].get("settings"), repeats=len(ok),
+                       requested=len(attr[s]), floats_per_example=ok[0].get("floats_per_example"))
+            if len(ok) < len(attr[s]):      # medians of the repeats that ran: said in the row
+                row["repeat_error"] = next(r.get("error") for r in attr[s] if not r.get("ok"))
         lp = [r for r in loop.get(s, []) if r.get("ok")]
         if lp:
             row["overhead"] = _median(lp, "overhead")
@@ -130,8 +133,9 @@ def table(rows: dict) -> list[str]:
         if not r.get("ok"):
             out.append(f"| {r['label']} | {r.get('version') or '—'} | failed: {r.get('error', '?')} |" + " |" * 9)
             continue
-        ov = fmt(r.get("overhead"), "+.0%", "post hoc only")
-        out.append(f"| {r['label']} | {r['version'] or '—'} | {r['examples_per_s']:.0f} | {fmt(r.get('throughput_ratio'), '.1f')} "
+        ov = "failed" if r.get("overhead_error") else fmt(r.get("overhead"), "+.0%", "post hoc only")
+        label = r["label"] + (f" ({r['repeats']} of {r['requested']} repeats ran)" if r["repeats"] < r["requested"] else "")
+        out.append(f"| {label} | {r['version'] or '—'} | {r['examples_per_s']:.0f} | {fmt(r.get('throughput_ratio'), '.1f')} "
                    f"| {ov} | {fmt(r.get('overhead_ratio'), '.1f')} | {r['bytes_per_example']:.0f} "
                    f"| {r['query_s']:.2f} | {fmt(r.get('query_ratio'), '.1f')} | {r['peak_rss_mb']:.0f} "
                    f"| {fmt(r.get('spearman'), '.3f')} | {fmt(r.get('influence_spearman'), '.3f')} |")
@@ -147,12 +151,16 @@ def headline(rows: dict) -> dict:
     # a same-k comparison; it is reported in its row
     same_bytes = {s: r for s, r in peers.items() if r.get("bytes_per_example")}
     best = max(same_bytes, key=lambda s: same_bytes[s].get("spearman") or -1, default=None)
-    ours_best = max((r.get("spearman") or -1 for s, r in rows.items()
-                     if s in OUR_ROWS and s not in UNPROJECTED and r.get("ok")), default=None)
+    # ours at the same stored floats: rows that keep no more per example than our default row (k·k a layer)
+    budget = ours.get("floats_per_example") or 0
+    same_floats = {s for s, r in rows.items() if s in OUR_ROWS and s not in UNPROJECTED and r.get("ok")
+                   and (r.get("floats_per_example") or budget + 1) <= budget}
+    ours_best = max((rows[s].get("spearman") or -1 for s in same_floats), default=None)
 
     def best_influence(mine: bool, unprojected: bool):
         return max((r.get("influence_spearman") or -1 for s, r in rows.items()
-                    if (s in OUR_ROWS) == mine and (s in UNPROJECTED) == unprojected and r.get("ok")), default=None)
+                    if (s in OUR_ROWS) == mine and (s in UNPROJECTED) == unprojected and r.get("ok")
+                    and (not mine or unprojected or s in same_floats)), default=None)
     return {
         "throughput_vs_dattri_llm": peer.get("throughput_ratio"),
         "overhead_vs_dattri_llm": peer.get("overhead_ratio"),
@@ -254,7 +262,9 @@ def markdown(result: dict) -> str:
                  f"{influence_verdict}). "
                  f"Unprojected: olmo_tda's stored full "
                  f"gradients with EK-FAC {fmt(h['influence_spearman_ours_unprojected'], '.3f')}, Kronfluence's "
-                 f"EK-FAC {fmt(h['influence_spearman_kronfluence'], '.3f')}.")
+                 f"EK-FAC {fmt(h['influence_spearman_kronfluence'], '.3f')}. Each system's influence time (in "
+                 "its settings below) runs from the model to the scores: every pass over the training data, the "
+                 "fit and the 16 queries.")
     lines.append("")
     lines.append("Where a peer beats olmo_tda (its default row) by more than 5% on this run:")
     lines += [f"- {item}" for item in losses(rows)] or ["- nowhere"]
@@ -263,6 +273,8 @@ def markdown(result: dict) -> str:
     for s, r in rows.items():
         why = r.get("settings") or r.get("error")
         extra = f" In-loop capture: {r['overhead_error']}." if r.get("overhead_error") else ""
+        if r.get("repeat_error"):
+            extra += f" A failed repeat: {r['repeat_error']}."
         if r.get("influence_settings"):
             extra += f" Influence: {r['influence_settings']} ({r['influence_s']:.2f} s)."
         elif r.get("influence_error"):

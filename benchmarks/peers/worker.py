@@ -58,12 +58,17 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
             cfg = CaptureConfig(proj_dim=w.k * w.k // 2, proj_type=ProjectionType.EIGEN, rank=1)
             if head_budget:
                 # the output head carries most of the gradient (74% of the KFAC energy tr E[ggᵀ]·tr E[aaᵀ]
-                # of the basis batches here; 65% of the score mass in fidelity_bytes.py): it gets
-                # k=8k, rank 3, every other layer k=2k, rank 1 — 768 floats in all here, fewer than
-                # the others' 832
+                # of the basis batches here; 65% of the score mass in fidelity_bytes.py): it gets k=8k,
+                # every other layer k=2k, rank 1 (4k floats), and the head the largest rank (up to 3,
+                # 16k floats each) that keeps the total within the others' k·k per layer: rank 3 on the
+                # plain LM's 13 layers (768 floats of 832), rank 2 on OLMo's 9 (512 of 576)
                 # (the head is the last nn.Linear: TinyLM's head, OLMo's untied transformer.ff_out)
-                head = linear_names(model)[-1]
-                cfg.proj_dim, cfg.overrides = 2 * w.k, [LayerOverride(modules=[head], proj_dim=8 * w.k, rank=3)]
+                names = linear_names(model)
+                head_rank = min(3, (w.k * w.k * len(names) - 4 * w.k * (len(names) - 1)) // (16 * w.k))
+                if head_rank < 1:
+                    raise ValueError(f"head-weighted: {len(names)} layers at k={w.k} leave the head no rank")
+                cfg.proj_dim = 2 * w.k
+                cfg.overrides = [LayerOverride(modules=[names[-1]], proj_dim=8 * w.k, rank=head_rank)]
             if budget:
                 # the same floats as everyone's k·k per layer in all, split across the layers by their
                 # spectra (capture.budget); dense rows, no side wider than k·k
@@ -105,6 +110,7 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
     order = np.argsort(res.all_ids)
     scores = res.all_scores.numpy()[:, order]
     shapes = [(p.k_out, p.k_in) for p in cap.projectors.values()]
+    floats = cap.floats_per_example
     cap.remove()
     # the floor every system shares: the same forward+backward with nothing captured
     with Clock() as c_bare, activation_grads_only(model):
@@ -115,11 +121,12 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
     kind = "proj_dim=0 (unprojected)" if unprojected else f"proj_dim={w.k}, orthogonal random"
     if eigen:
         kind = (f"proj_dim={cfg.proj_dim}, proj_type=eigen (KFAC eigenbasis from 4 batches, timed), rank={cfg.rank}"
-                + (f", overrides=[{cfg.overrides[0].modules[0]}: proj_dim={8 * w.k}, rank=3]" if head_budget else "")
+                + (f", overrides=[{cfg.overrides[0].modules[0]}: proj_dim={8 * w.k}, "
+                   f"rank={cfg.overrides[0].rank}]" if head_budget else "")
                 + (f", budget={cfg.budget} (widths {' '.join('x'.join(map(str, p)) for p in shapes)})"
                    if budget else ""))
     return {"train_s": c_train.seconds, "query_s": c_query.seconds, "store_bytes": dir_bytes(tmp / "store"),
-            "bare_pass_examples_per_s": len(train) / c_bare.seconds,
+            "bare_pass_examples_per_s": len(train) / c_bare.seconds, "floats_per_example": floats,
             "scores": scores, "settings": f"CaptureConfig({kind}), graddot, fp32 HDF5 store",
             "influence_settings": f"influence hessian={method.get('hessian')}, damping_ratio {RELATIVE_DAMPING}"}
 
@@ -207,9 +214,9 @@ def dattri_llm_attr(w, model, train, query, tmp: Path) -> dict:
 def dattri_llm_infl(w, model, train, query, tmp: Path) -> dict:
     from dattri_llm import EKFACAttributor
 
-    _dattri_llm_capture(w, model, train, tmp / "train")
-    _dattri_llm_capture(w, model, query, tmp / "query")
-    with Clock() as c:
+    with Clock() as c:         # from the model to the scores, as every system's influence time
+        _dattri_llm_capture(w, model, train, tmp / "train")
+        _dattri_llm_capture(w, model, query, tmp / "query")
         s = EKFACAttributor(_dattri_llm_args(w, tmp)).attribute_from_cache(
             str(tmp / "train"), str(tmp / "query"), damping=RELATIVE_DAMPING, relative_damping=True)
     return {"infl_s": c.seconds, "scores": _dattri_llm_scores(w, s, train, query),
@@ -356,7 +363,7 @@ def traker_attr(w, model, train, query, tmp: Path, *, influence: bool = False) -
             traker.start_scoring_checkpoint(exp_name="qi", checkpoint=ckpt, model_id=0, num_targets=q)
             traker.score(batch=(query,), num_samples=q)
             scores = np.asarray(traker.finalize_scores(exp_name="qi")).T
-        return {"infl_s": c_infl.seconds, "scores": scores,
+        return {"infl_s": c_train.seconds + c_infl.seconds, "scores": scores,      # featurize counted too
                 "settings": f"TRAK scores (ΦᵀΦ + λI)⁻¹, whole model k={k_total}, λ = {RELATIVE_DAMPING}·tr(ΦᵀΦ)/k"}
     # the queries' features, stored as extra rows, give the graddot agreement (TRAK's own score
     # applies (ΦᵀΦ + λI)⁻¹, a different estimator)
@@ -494,6 +501,12 @@ def logix_infl(w, model, train, query, tmp: Path) -> dict:
 
 def logix_loop(w, model, opt, tmp: Path):
     run = _logix_run(w, model, tmp, "loop")
+    # watch() and add_lora() leave only LoRA's parameters trainable: a training loop still trains the
+    # model, so what the optimizer holds learns again (else this arm skips every weight gradient and
+    # update the plain arm makes, and LogIX's overhead comes out too small)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.requires_grad_(True)
     state = {"seen": 0}
 
     def step(batch):
@@ -508,7 +521,8 @@ def logix_loop(w, model, opt, tmp: Path):
 
 def _ours_infl(*a, **kw) -> dict:
     r = olmo_tda_attr(*a, influence=True, **kw)
-    return {"infl_s": r["query_s"], "scores": r["scores"], "settings": r["influence_settings"]}
+    # from the model to the scores, as every system's influence time: the train capture counted too
+    return {"infl_s": r["train_s"] + r["query_s"], "scores": r["scores"], "settings": r["influence_settings"]}
 
 
 SYSTEMS = {
