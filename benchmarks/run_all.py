@@ -33,6 +33,7 @@ OTHERS = {
     "store_query": ["--quick"],
     "store_read": ["--quick"],
     "store_append": ["--quick"],
+    "store_open": ["--sizes", "200,800", "--rounds", "3"],
     "fidelity_bytes": ["--quick"],
     "projection_fidelity": [],
     "tied_head_fidelity": [],

@@ -170,6 +170,16 @@ def test_store_read_runs(tmp_path):
     assert out.returncode != 0 and "--small must be RxF" in out.stderr
 
 
+def test_store_open_runs():
+    res = _last_json("store_open.py", "--sizes", "4,12", "--rounds", "1")
+    assert res["benchmark"] == "store_open" and [r["shards"] for r in res["rows"]] == [5, 13]   # + a round's shard
+    assert all(r["open_ms"] > 0 and r["manifest_kb"] > 0 for r in res["rows"])
+    assert res["rows"][1]["manifest_kb"] > res["rows"][0]["manifest_kb"]      # one entry per shard
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_open.py"), "--sizes", "0"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "--sizes must be positive" in out.stderr
+
+
 def test_store_append_runs(tmp_path):
     res = _last_json("store_append.py", "--n", "320", "--rounds", "1", "--k", "12", "--peak-mb", "8",
                      "--work-dir", str(tmp_path))

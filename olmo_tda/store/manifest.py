@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import fcntl
 import json
-import uuid
 import logging
 import os
 import re
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
