@@ -779,7 +779,14 @@ def test_a_checkpoint_of_an_abandoned_run_is_refused_after_the_rollback_run_pass
     (path / "manifest-r00000.json").write_text(json.dumps(data))
     with pytest.raises(StoreCorruptError, match="truncations must be a list of ints"):
         GradientStore.open(path)
-    del data["truncations"], data["log_id"]      # a manifest from before the log: read, with an empty log
+    data["truncations"] = [4]
+    del data["log_id"]                           # a manifest from before log ids: one fixed id, on every open,
+    (path / "manifest-r00000.json").write_text(json.dumps(data))        # whether or not a write kept it
+    with GradientStore.create(path, META, StoreConfig()) as w:
+        saved = {"store_id": w.store_id, **resume_state(w)}              # saved before anything is written
+    with GradientStore.create(path, META, StoreConfig()) as w:
+        check_rows_continue(w, saved, 8)         # the cut to step 4 came before this checkpoint: accepted
+    del data["truncations"]                      # a manifest from before the log: read, with an empty log
     (path / "manifest-r00000.json").write_text(json.dumps(data))
     with GradientStore.create(path, META, StoreConfig()) as w:
         assert w.timeline()[1] == 0 and w.rolled_back_below(0, 8) is None

@@ -66,6 +66,10 @@ _MANIFEST_TMP_RE = re.compile(r"^manifest-r(\d{5})\.json" + re.escape(TMP_SUFFIX
 _STALE_STORE_JSON_TMP_S = 600.0  # store.json is written once, in milliseconds; older temps are debris
 
 
+LEGACY_LOG_ID = "legacy"
+"""The truncation log id of a manifest written before logs had ids."""
+
+
 @dataclass
 class RankState:
     """One rank's index: shards by seq, cumulative counters, the next shard seq to use, and the
@@ -135,10 +139,11 @@ def _parse_manifest(data: Any, rank: int, path: Path) -> RankState:
     if not isinstance(truncations, list) or not all(_is_count(t) for t in truncations):
         raise damaged("truncations", f"must be a list of ints >= 0, got {truncations!r}")
     state.truncations = list(truncations)
-    if "log_id" in data:                            # absent: from before the log (a new id, an empty log)
-        if not isinstance(data["log_id"], str) or not data["log_id"]:
-            raise damaged("log_id", f"must be a non-empty string, got {data['log_id']!r}")
-        state.log_id = data["log_id"]
+    # absent: a manifest from before the id, whose log keeps one fixed id (a new random one on every
+    # open would make a checkpoint's recorded id unknown at the next open)
+    state.log_id = data.get("log_id", LEGACY_LOG_ID)
+    if not isinstance(state.log_id, str) or not state.log_id:
+        raise damaged("log_id", f"must be a non-empty string, got {state.log_id!r}")
     shards = data.get("shards")
     if not isinstance(shards, list):
         raise damaged("shards", f"must be a list, got {shards if 'shards' in data else '<absent>'!r}")
