@@ -316,3 +316,32 @@ def test_deepspeed_zero3_trajectory_checkpoints_hold_the_gathered_weights(runs):
         assert all(torch.equal(weights[k], before_next[k]) for k in before_next), c.step
     assert [c.tokens_seen for c in kept] == [0, 96, 192, 288]      # 2 ranks x GAS 2 x 2 examples x 12 tokens
     assert np.allclose([c.lr for c in kept[1:]], [worker.lr_at(s) for s in (1, 2, 3)])
+
+
+PIPELINE_SCRIPT = """
+import os, torch, deepspeed
+deepspeed.init_distributed(dist_backend="gloo")
+from deepspeed.pipe import PipelineModule
+from olmo_tda.config import ConfigError
+from olmo_tda.integrations.deepspeed import attach
+net = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)], num_stages=1, loss_fn=torch.nn.MSELoss())
+engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config={
+    "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
+try:
+    attach(engine, {"enabled": True, "store": {"path": os.environ["STORE"]}})
+    print("ATTACHED")
+except ConfigError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_a_pipeline_engine_is_refused_not_silently_never_captured(tmp_path):
+    """A PipelineEngine steps inside train_batch without engine.step(): attach would capture nothing
+    and pile up records, so it is refused, naming what to use."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_PORT": str(29500 + os.getpid() % 500), "LOCAL_RANK": "0", "STORE": str(tmp_path / "store")}
+    done = subprocess.run([sys.executable, "-c", PIPELINE_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert "REFUSED attach: pipeline-parallel DeepSpeed engines" in done.stdout, \
+        done.stdout[-2000:] + done.stderr[-3000:]
+    assert not (tmp_path / "store").exists()

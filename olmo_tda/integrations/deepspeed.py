@@ -81,7 +81,21 @@ def attach(engine: Any, config: TDAConfig | Mapping | str | Path | None = None, 
             ``deepspeed.initialize``); by default one is built on ``engine.module``.
         batch_info: custom ``(ids, divisor)`` extraction for batches that are not dicts.
     """
+    _refuse_pipeline(engine)
     return DeepSpeedTDA(engine, _resolve_config(engine, config), capture=capture, batch_info=batch_info)
+
+
+def _refuse_pipeline(engine: Any) -> None:
+    """A pipeline-parallel engine steps inside ``train_batch`` without calling ``engine.step``, so
+    nothing would ever be committed (and every forward's record would pile up): refused, not silent."""
+    try:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except ImportError:         # a DeepSpeed without pipeline parallelism: nothing to refuse
+        return
+    if isinstance(engine, PipelineEngine):
+        raise ConfigError("attach: pipeline-parallel DeepSpeed engines (PipelineModule, train_batch) are not "
+                          "supported: they step without engine.step(), so no example would be captured. Use "
+                          "ZeRO data parallelism (stages 1-3) for the run olmo_tda captures")
 
 
 def _resolve_config(engine: Any, config: Any) -> TDAConfig:
