@@ -205,12 +205,13 @@ def test_table_says_what_failed_and_compares_ours_at_the_same_floats():
     attr = {"olmo_tda": [ok], "olmo_tda_head": [{**ok, "floats_per_example": 900}],
             "olmo_tda_budget": [{**ok, "floats_per_example": 832}], "dattri_llm": [ok],
             "logix": [ok, {"ok": False, "error": "RuntimeError: boom"}, {**ok, "examples_per_s": 50.0}]}
-    loop = {"olmo_tda": [{"ok": True, "overhead": 0.1, "plain_step_s": 1, "capture_step_s": 1.1}],
+    loop = {"olmo_tda": [{"ok": True, "overhead": 0.1, "plain_step_s": 1, "capture_step_s": 1.1},
+                         {"ok": False, "error": "killed"}],
             "dattri_llm": [{"ok": False, "error": "TypeError: hooks"}]}
     spear = {"olmo_tda": 0.5, "olmo_tda_head": 0.99, "olmo_tda_budget": 0.9, "dattri_llm": 0.4, "logix": 0.45}
     rows = peers.summarize(list(attr), attr, loop, spear, status)
     text = "\n".join(peers.table(rows))
-    assert "| dattri-llm | 1 | 100 | 1.0 | failed | — |" in text
+    assert "| dattri-llm | 1 | 100 | 1.0 | failed | — |" in text and "| +10% (1 of 2 repeats ran) |" in text
     assert "| LogIX (logix-ai) (2 of 3 repeats ran) | 1 | 75 |" in text
     assert rows["logix"]["repeat_error"] == "RuntimeError: boom"
     assert peers.headline(rows)["spearman_ours_best"] == 0.9        # not the over-budget row's 0.99

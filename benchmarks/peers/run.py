@@ -105,6 +105,8 @@ def summarize(systems: list[str], attr: dict, loop: dict, spearman: dict, status
         lp = [r for r in loop.get(s, []) if r.get("ok")]
         if lp:
             row["overhead"] = _median(lp, "overhead")
+            if len(lp) < len(loop[s]):      # a median of the repeats that ran: said in the cell
+                row["overhead_repeats"] = f"{len(lp)} of {len(loop[s])}"
             row["plain_step_s"] = _median(lp, "plain_step_s")
             row["capture_step_s"] = _median(lp, "capture_step_s")
         elif s in loop and loop[s]:
@@ -134,6 +136,8 @@ def table(rows: dict) -> list[str]:
             out.append(f"| {r['label']} | {r.get('version') or '—'} | failed: {r.get('error', '?')} |" + " |" * 9)
             continue
         ov = "failed" if r.get("overhead_error") else fmt(r.get("overhead"), "+.0%", "post hoc only")
+        if r.get("overhead_repeats"):
+            ov += f" ({r['overhead_repeats']} repeats ran)"
         label = r["label"] + (f" ({r['repeats']} of {r['requested']} repeats ran)" if r["repeats"] < r["requested"] else "")
         out.append(f"| {label} | {r['version'] or '—'} | {r['examples_per_s']:.0f} | {fmt(r.get('throughput_ratio'), '.1f')} "
                    f"| {ov} | {fmt(r.get('overhead_ratio'), '.1f')} | {r['bytes_per_example']:.0f} "
