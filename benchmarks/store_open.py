@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
     per_k = {k: (hi[f"{k}_ms"] - lo[f"{k}_ms"]) / span for k in ("open", "writer", "flush")}
     print(f"{'shards':>7} {'open ms':>8} {'writer ms':>10} {'flush ms':>9} {'manifest KB':>12}")
     for r in rows:
-        print(f"{r['shards']:7d} {r['open_ms']:8.1f} {r['writer_ms']:10.1f} {r['flush_ms']:9.1f} {r['manifest_kb']:12.0f}")
+        print(f"{r['shards']:7d} {r['open_ms']:8.1f} {r['writer_ms']:10.1f} {r['flush_ms']:9.1f} "
+              f"{r['manifest_kb']:12.0f}")
     print(f"per 1000 shards: open {per_k['open']:+.1f} ms, writer {per_k['writer']:+.1f} ms, "
           f"flush {per_k['flush']:+.2f} ms")
     result = {"benchmark": "store_open", "rows": rows, "open_ms_per_1000_shards": per_k["open"],

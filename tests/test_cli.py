@@ -65,7 +65,8 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
             assert results[0]["index"] == passage["index"], results[0]
     assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "lorif",
-                 "--rank", "16", "--json", str(tmp_path / "influence.json"), "--html", str(tmp_path / "infl.html")]) == 0
+                 "--rank", "16", "--json", str(tmp_path / "influence.json"),
+                 "--html", str(tmp_path / "infl.html")]) == 0
     assert capsys.readouterr().out.startswith("influence: hessian lorif, rank 16, damping λ per layer")
     answer = json.loads((tmp_path / "influence.json").read_text())[0]
     assert answer["results"][0]["index"] == passage["index"] and len(answer["damping"]) == 9

@@ -147,7 +147,8 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     logged = {json.loads(x)["step"]: json.loads(x) for x in (run_dir / "tda" / "metrics.jsonl").read_text().splitlines()}
     assert abs(logged[4]["train/CrossEntropyLoss"] / want - 1) < 1e-4, (logged[4]["train/CrossEntropyLoss"], want)
     # the capture counters are the run's (both ranks' rows), as the store holds them
-    assert [logged[s]["tda/rows_captured"] for s in range(1, 7)] == [float((block.steps <= s).sum()) for s in range(1, 7)]
+    assert [logged[s]["tda/rows_captured"] for s in range(1, 7)] == \
+        [float((block.steps <= s).sum()) for s in range(1, 7)]
 
 
 def test_sigkill_and_resume_leaves_no_duplicates_or_gaps(data_dir):

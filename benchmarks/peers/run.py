@@ -138,7 +138,8 @@ def table(rows: dict) -> list[str]:
         ov = "failed" if r.get("overhead_error") else fmt(r.get("overhead"), "+.0%", "post hoc only")
         if r.get("overhead_repeats"):
             ov += f" ({r['overhead_repeats']} repeats ran)"
-        label = r["label"] + (f" ({r['repeats']} of {r['requested']} repeats ran)" if r["repeats"] < r["requested"] else "")
+        partial = r["repeats"] < r["requested"]
+        label = r["label"] + (f" ({r['repeats']} of {r['requested']} repeats ran)" if partial else "")
         out.append(f"| {label} | {r['version'] or '—'} | {r['examples_per_s']:.0f} | {fmt(r.get('throughput_ratio'), '.1f')} "
                    f"| {ov} | {fmt(r.get('overhead_ratio'), '.1f')} | {r['bytes_per_example']:.0f} "
                    f"| {r['query_s']:.2f} | {fmt(r.get('query_ratio'), '.1f')} | {r['peak_rss_mb']:.0f} "
