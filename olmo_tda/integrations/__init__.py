@@ -9,34 +9,74 @@ Example (OLMo; the same as ``olmo-tda train configs/demo_tiny.yaml``)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["check_rows_continue", "cut_departed_ranks", "resume_state"]
+__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "resume_state", "sum_over_ranks"]
+
+
+def _group() -> tuple[bool, int, int]:
+    import torch.distributed as dist
+
+    group = dist.is_available() and dist.is_initialized()
+    return (group, dist.get_rank(), dist.get_world_size()) if group else (False, 0, 1)
+
+
+def decided_on_rank0(decide: Callable[[], Any], catch: type[BaseException] | tuple = Exception) -> Any:
+    """``decide()`` run on rank 0 alone (it reads or changes what every rank shares), its result or
+    the error of the ``catch`` types it raised handed to every rank: all return it, or all raise it
+    alike, so no rank is left waiting for one that failed."""
+    import torch.distributed as dist
+
+    group, rank, world = _group()
+    outcome: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            outcome[0] = decide()
+        except catch as e:      # every rank raises it below; one that cannot travel, by its text
+            outcome[1] = e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")
+    if group and world > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
+def _picklable(value: Any) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps(value)     # in memory, to broadcast it: nothing is read from disk
+    except Exception:  # noqa: BLE001 - any failure means it cannot be sent as it is
+        return False
+    return True
+
+
+def sum_over_ranks(values: list[float], device: Any) -> list[float]:
+    """``values`` summed over the ranks (one all-reduce; collective: every rank calls it alike)."""
+    import torch
+    import torch.distributed as dist
+
+    if not values or _group()[2] == 1:
+        return list(values)
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return summed.tolist()
 
 
 def cut_departed_ranks(store: Any, step: int) -> None:
     """On resume, after each rank's own ``truncate_after(step)``: drop the rows after ``step`` that
     ranks this run does not have wrote (a run resumed on fewer ranks), then have every rank re-read
     the others' shards. Rank 0 cuts; every rank gets its outcome, so all raise or all go on."""
-    import torch.distributed as dist
-
     from ..store import StoreError
 
-    group = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
+    world = _group()[2]
     if not store.departed_after(step, world):       # the same answer on every rank: nothing to do
         return
-    outcome: list[Any] = [None]
-    if rank == 0:
-        try:
-            store.truncate_departed(step, world)
-        except Exception as e:  # noqa: BLE001 - every rank raises it below
-            outcome = [f"{type(e).__name__}: {e}"]
-    if group and world > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
+    try:
+        decided_on_rank0(lambda: store.truncate_departed(step, world))
+    except Exception as e:  # noqa: BLE001 - named in the error every rank raises
         raise StoreError(f"resuming on {world} ranks: cutting back the rows of the ranks this run does not have "
-                         f"failed: {outcome[0]}")
+                         f"failed: {type(e).__name__}: {e}") from e
     store.rescan_others()
 
 
@@ -55,14 +95,11 @@ def check_rows_continue(store: Any, saved: dict[str, Any] | None, step: int) -> 
     newer checkpoint), or one whose rows up to its step are no longer held. Its model is of the
     abandoned run while the store holds the new run's rows before its step, or none. Rank 0 decides
     (the checkpoint's state and its own shards); every rank raises alike."""
-    import torch.distributed as dist
-
     from ..config import ConfigError
 
-    group = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
-    outcome: list[Any] = [None]
-    if rank == 0 and saved and saved.get("store_id") == store.store_id:
+    def decide() -> None:
+        if not saved or saved.get("store_id") != store.store_id:
+            return
         why = None
         if saved.get("timeline") is not None:
             cut = store.rolled_back_below((saved.get("timeline_id"), int(saved["timeline"])), step)
@@ -74,11 +111,9 @@ def check_rows_continue(store: Any, saved: dict[str, Any] | None, step: int) -> 
                 why = (f"it was saved when the store held this run's rows up to step {want}, but it now holds "
                        f"them only up to step {have}")
         if why is not None:
-            outcome = [f"tda: the checkpoint of step {step} belongs to an abandoned run: {why} (a resume from an "
-                       f"earlier checkpoint), so the store {store.path} holds another run's rows before step "
-                       f"{step}, or none. Resume from a checkpoint of the run the store continues "
-                       "(OLMo: --load_path=...; DeepSpeed: load_checkpoint(dir, tag=...)), or remove this one"]
-    if group and world > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise ConfigError(outcome[0])
+            raise ConfigError(f"tda: the checkpoint of step {step} belongs to an abandoned run: {why} (a resume from "
+                              f"an earlier checkpoint), so the store {store.path} holds another run's rows before "
+                              f"step {step}, or none. Resume from a checkpoint of the run the store continues "
+                              "(OLMo: --load_path=...; DeepSpeed: load_checkpoint(dir, tag=...)), or remove this one")
+
+    decided_on_rank0(decide, catch=ConfigError)

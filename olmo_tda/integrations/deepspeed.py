@@ -54,7 +54,7 @@ from ..capture.hooks import Recording, _in_backward
 from ..config import ConfigError, LossReduction, TDAConfig
 from ..store import GradientRecord, GradientStore
 from ..store.record import cat_rows
-from . import check_rows_continue, cut_departed_ranks, resume_state
+from . import check_rows_continue, cut_departed_ranks, resume_state, sum_over_ranks
 
 __all__ = ["attach", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
 
@@ -415,11 +415,8 @@ class DeepSpeedTDA:
         rows summed over the ranks and, through checkpoints, over the run's sessions. Collective:
         every rank calls it."""
         numbers = self.metrics()
-        sums = [numbers["rows_captured"], numbers["rows_skipped_nonfinite"]]
-        if _world_size() > 1:
-            summed = torch.tensor(sums, dtype=torch.float64, device=self.engine.device)
-            dist.all_reduce(summed)
-            sums = [int(v) for v in summed.tolist()]
+        sums = [int(v) for v in sum_over_ranks([numbers["rows_captured"], numbers["rows_skipped_nonfinite"]],
+                                               self.engine.device)]
         return {**numbers, "rows_captured": self._rows_before + sums[0], "rows_skipped_nonfinite": sums[1]}
 
     # -- lifetime ----------------------------------------------------------------------------------

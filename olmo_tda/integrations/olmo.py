@@ -60,7 +60,7 @@ from ..capture import GradientCapture
 from ..capture.eigenbasis import estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..store import GradientStore
-from . import check_rows_continue, cut_departed_ranks, resume_state
+from . import check_rows_continue, cut_departed_ranks, resume_state, sum_over_ranks
 
 try:
     from olmo.config import CheckpointType, TrainConfig
@@ -445,11 +445,7 @@ class TDATrainer(Trainer):
         """Into ``metrics``: the rank-local ``losses`` (keys of it) as their mean over the ranks and
         ``counts`` as their sum, the run's, with one all-reduce; ``tda/rows_captured`` as the run's
         total so far (carried over a resume by the checkpoint)."""
-        values = [metrics[k] for k in losses] + list(counts.values())
-        if values and _world_size() > 1:
-            summed = torch.tensor(values, dtype=torch.float64, device=self.device)
-            dist.all_reduce(summed)
-            values = summed.tolist()
+        values = sum_over_ranks([metrics[k] for k in losses] + list(counts.values()), self.device)
         for key, value in zip(losses, values):
             metrics[key] = value / _world_size()
         if losses and "train/CrossEntropyLoss" in metrics and "train/Perplexity" in metrics:

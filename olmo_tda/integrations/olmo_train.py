@@ -20,6 +20,7 @@ import yaml
 
 from ..config import ConfigError, TDAConfig
 from ..store.format import STORE_JSON
+from . import decided_on_rank0
 from .olmo import BASIS_FILE, TDA_YAML, TDATrainer
 
 __all__ = ["train", "init_distributed", "release_distributed"]
@@ -340,16 +341,7 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> bool:
             cfg.load_path = str(latest)
             cfg.reset_trainer_state = cfg.reset_optimizer_state = False
     # rank 0 checks and removes; the others wait for its outcome, so all raise or all go on together
-    outcome: list = [None, False]
-    if dist.get_rank() == 0:
-        try:
-            outcome[1] = _check_and_clear(cfg, tda_cfg, folder)
-        except ConfigError as e:
-            outcome[0] = str(e)
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise ConfigError(outcome[0])
-    return outcome[1]
+    return decided_on_rank0(lambda: _check_and_clear(cfg, tda_cfg, folder), catch=ConfigError)
 
 
 def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> bool:
