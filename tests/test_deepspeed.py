@@ -255,21 +255,24 @@ def test_deepspeed_bad_input_names_the_problem_and_disabled_touches_nothing(runs
 
 
 def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store(tmp_path):
-    """The Megatron-style example (OLMo under deepspeed.initialize, ZeRO-2, bf16) on 2 ranks: 4
-    steps with checkpoints every 2, rerun to 6 steps resumes; the store holds each (id, step) of the
-    script's data order exactly once; a bad config exits 2 naming the key."""
+    """The Megatron-style example (OLMo under deepspeed.initialize, ZeRO-2, bf16) on 2 ranks: a Slurm
+    job's attempt stopped before its first checkpoint (1 step, none saved), its requeue starts over
+    for 4 steps with checkpoints every 2, rerun to 6 steps resumes; the store holds each (id, step) of
+    the script's data order exactly once; a bad config exits 2 naming the key."""
     from olmo_tda.integrations import deepspeed_pretrain as script
 
-    overrides = [f"--run_dir={tmp_path / 'run'}", "--save_every=2", "--model.d_model=32", "--model.embedding_size=257",
+    overrides = [f"--run_dir={tmp_path / 'run'}", "--model.d_model=32", "--model.embedding_size=257",
                  "--data.seq_len=32", "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
                  "--tda.capture.proj_dim=16", "--tda.store.flush_every=1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "olmo_tda.integrations.deepspeed_pretrain", str(HERE.parent / "configs" / "deepspeed_tiny.yaml")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for steps in (4, 6):
-        done = subprocess.run([*cmd, *overrides, f"--steps={steps}"], capture_output=True, text=True, timeout=600,
-                              env=env, cwd=tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "8086"}
+    for steps, restart in ((1, "0"), (4, "1"), (6, "1")):     # the first attempt with another data order
+        every = ["--save_every=2"] if steps > 1 else ["--save_every=0", "--seed=1"]
+        done = subprocess.run([*cmd, *overrides, *every, f"--steps={steps}"], capture_output=True, text=True,
+                              timeout=600, env={**env, "SLURM_RESTART_COUNT": restart}, cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-6000:]
+        assert ("starting it over" in done.stderr) == (steps == 4)
     assert "resumed from" in done.stderr
     summary = __import__("json").loads(done.stdout.strip().splitlines()[-1])
     assert summary["zero_stage"] == 2 and summary["world_size"] == 2 and summary["tda"]["steps_committed"] == 2

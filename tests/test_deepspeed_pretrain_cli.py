@@ -29,12 +29,13 @@ SMALL = ["--model.d_model=32", "--model.embedding_size=257", "--model.max_sequen
          "--deepspeed.train_micro_batch_size_per_gpu=2", "--tda.capture.proj_dim=8"]
 
 
-def run_script(tmp_path: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """The script as the README runs it: ``python -m``, no launcher variables in the environment."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+def run_script(tmp_path: Path, *args: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The script as the README runs it: ``python -m``, no launcher variables in the environment
+    (``env``: more variables)."""
+    plain = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith("SLURM_")}
     return subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", str(CONFIG), *args],
-                          capture_output=True, text=True, timeout=timeout, env={**env, "OMP_NUM_THREADS": "1"},
-                          cwd=tmp_path)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**plain, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=tmp_path)
 
 
 def error_line(stderr: str) -> str:
@@ -78,6 +79,35 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
     assert fresh.returncode == 2
     assert f"run_dir: {run} has no checkpoint to resume from, but the gradient store {run / 'tda' / 'store'} holds " \
            f"{summary['tda']['rows_captured']} rows of an earlier run" in error_line(fresh.stderr)
+
+
+def test_deepspeed_pretrain_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(tmp_path):
+    """A Slurm job stopped before its run's first checkpoint and requeued (the same job id,
+    SLURM_RESTART_COUNT up by one) starts the run over: the store's rows of the stopped attempt go,
+    and it ends with each step's rows once. (A run that saves no checkpoint leaves its folder as one
+    stopped before its first.) Run again in the same attempt, it is refused and left as it was."""
+    from olmo_tda.store import GradientStore
+
+    run = tmp_path / "run"
+    args = (f"--run_dir={run}", "--steps=2", "--save_every=0", *SMALL)
+    job = {"SLURM_JOB_ID": "31337"}
+    first = run_script(tmp_path, *args, "--seed=1", env=job)     # (its config edited before the requeue)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert not (run / "checkpoints").exists()
+    assert json.loads((run / script.RUN_JSON).read_text())["attempt"] == {"scheduler": "slurm", "job": "31337",
+                                                                          "restart": 0}
+    rows = GradientStore.open(run / "tda" / "store").num_rows
+    requeued = run_script(tmp_path, *args, env={**job, "SLURM_RESTART_COUNT": "1"})
+    assert requeued.returncode == 0, requeued.stderr[-4000:]
+    assert f"starting it over (the {rows} rows stored in {run / 'tda' / 'store'} are dropped)" in requeued.stderr
+    block = GradientStore.open(run / "tda" / "store").read_all(layers=[])
+    assert len(block.ids) == rows and sorted(set(block.steps.tolist())) == [1, 2]
+    assert all(len(set(block.ids[block.steps == s].tolist())) == (block.steps == s).sum() for s in (1, 2))
+    assert json.loads((run / script.RUN_JSON).read_text())["attempt"]["restart"] == 1
+    again = run_script(tmp_path, *args, env={**job, "SLURM_RESTART_COUNT": "1"})   # (another job's: test_olmo_start)
+    assert again.returncode == 2
+    assert f"run_dir: {run} has no checkpoint to resume from" in error_line(again.stderr)
+    assert GradientStore.open(run / "tda" / "store").num_rows == rows
 
 
 def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from olmo_tda.demo.corpus import build_passages
 from olmo_tda.demo.data import write_memmap
@@ -90,8 +91,13 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     # CPU-only build, so the FSDP run saves none; its oracle is the DDP run's step-3 checkpoint
     # (same seed, same data order: the two runs follow the same trajectory up to float rounding).
     save = "--save_interval_unsharded=3" if strategy == "ddp" else "--save_interval_unsharded=null"
-    _run(_overrides(data_dir, run, 6, f"--distributed_strategy={strategy}", save, "--tda.trajectory.enabled=true",
-                    "--tda.trajectory.every=3", *TIED), nproc=2)
+    args = [f"--distributed_strategy={strategy}", save, "--tda.trajectory.enabled=true", "--tda.trajectory.every=3",
+            *TIED, "--try_load_latest_save=true", "--save_overwrite=false"]
+    env = None
+    if strategy == "fsdp":     # saving no checkpoint, a Slurm job's attempt stopped at step 2; its requeue starts over
+        _run(_overrides(data_dir, run, 2, *args, "--seed=7"), nproc=2, env={"SLURM_JOB_ID": "5150"})
+        env = {"SLURM_JOB_ID": "5150", "SLURM_RESTART_COUNT": "1"}
+    _run(_overrides(data_dir, run, 6, *args), nproc=2, env=env)
     run_dir = data_dir / run
     store = GradientStore.open(run_dir / "tda" / "store")
     block = store.read_all()
@@ -233,11 +239,38 @@ def test_capture_stats_reach_wandb_offline(data_dir, tmp_path):
     assert [m["step"] for m in lines] == [1, 2, 3] and lines[-1]["tda/rows_captured"] == 3 * GBS
 
 
-def _train(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def _train(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     """``olmo-tda train`` in one process, whatever its exit status."""
     cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+
+
+def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_dir):
+    """A Slurm job stopped before its run's first checkpoint, requeued (the same command, the same
+    job id, SLURM_RESTART_COUNT up by one) with save_overwrite: false: the run starts over, and its
+    store holds each step's rows once. (A run that saves no checkpoint at all leaves its folder as one
+    stopped before its first.) Run again in the same attempt, it is refused and left as it was."""
+    run_dir = data_dir / "run_requeue"
+    args = _overrides(data_dir, "run_requeue", 2, "--save_interval_unsharded=null", "--try_load_latest_save=true",
+                      "--save_overwrite=false")
+    job = {"SLURM_JOB_ID": "4242"}
+    assert _train(args + ["--seed=7"], env=job).returncode == 0      # (its config edited before the requeue)
+    assert not list(run_dir.glob("step*")) and GradientStore.open(run_dir / "tda" / "store").num_rows == 2 * GBS
+    assert yaml.safe_load((run_dir / "tda.yaml").read_text())["attempt"] == {"scheduler": "slurm", "job": "4242",
+                                                                             "restart": 0}
+    requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
+    assert requeued.returncode == 0, requeued.stderr[-4000:]
+    assert "starting it over" in requeued.stderr
+    block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
+    for step in (1, 2):
+        assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
+    assert len(block.ids) == 2 * GBS
+    assert yaml.safe_load((run_dir / "tda.yaml").read_text())["attempt"]["restart"] == 1
+    store = (run_dir / "tda" / "store" / "store.json").read_bytes()
+    again = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
+    assert again.returncode != 0 and "no checkpoint to resume" in again.stderr + again.stdout
+    assert (run_dir / "tda" / "store" / "store.json").read_bytes() == store
 
 
 def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tmp_path):

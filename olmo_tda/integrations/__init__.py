@@ -9,9 +9,11 @@ Example (OLMo; the same as ``olmo-tda train configs/demo_tiny.yaml``)::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import os
+from typing import Any, Callable, Mapping
 
-__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "resume_state", "sum_over_ranks"]
+__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "launch_attempt", "requeued_from",
+           "resume_state", "sum_over_ranks"]
 
 
 def _group() -> tuple[bool, int, int]:
@@ -61,6 +63,34 @@ def sum_over_ranks(values: list[float], device: Any) -> list[float]:
     summed = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(summed)
     return summed.tolist()
+
+
+def launch_attempt() -> dict[str, Any] | None:
+    """The scheduler job this process runs in and its restart count, as a run records it when it
+    starts: Slurm's job id and ``SLURM_RESTART_COUNT`` (a requeued job keeps its id and counts up),
+    else torchrun's rendezvous id and ``TORCHELASTIC_RESTART_COUNT`` (``--max_restarts``). None
+    outside both (a plain or ``--standalone``-less torchrun start, whose run id is ``none``)."""
+    env = os.environ
+    for scheduler, job_key, count_key in (("slurm", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
+                                          ("torchelastic", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")):
+        job = env.get(job_key, "").strip()
+        if job and job != "none":
+            count = env.get(count_key, "").strip()
+            return {"scheduler": scheduler, "job": job, "restart": int(count) if count.isdigit() else 0}
+    return None
+
+
+def requeued_from(saved: Any) -> bool:
+    """Whether this process is a later attempt of the job that started the run which recorded
+    ``saved`` (its :func:`launch_attempt`): the same scheduler and job, restarted since. Only such an
+    attempt may start a run over in the folder it left without a checkpoint; anything unreadable is
+    not one."""
+    now = launch_attempt()
+    if now is None or not isinstance(saved, Mapping):
+        return False
+    restart = saved.get("restart")
+    return (saved.get("scheduler") == now["scheduler"] and str(saved.get("job")) == now["job"]
+            and isinstance(restart, int) and now["restart"] > restart)
 
 
 def cut_departed_ranks(store: Any, step: int) -> None:

@@ -402,6 +402,16 @@ class DeepSpeedTDA:
         self._rows_before = int((state or {}).get("rows_captured_run", 0))
         self.rows_captured = self.steps_committed = self.steps_dropped = 0      # this rank's, since the resume
 
+    def start_over(self) -> None:
+        """Start the run over from step 0 over the rows it stored before it stopped without a
+        checkpoint (its job was requeued): every rank drops them, as a resume from step 0 would.
+        Collective: every rank calls it, before the first step. Trajectory checkpoints of the old
+        attempt go at the first step, as on any fresh start."""
+        dropped = self.store.truncate_after(0)
+        cut_departed_ranks(self.store, 0)
+        if dropped:
+            log.info("tda: dropped this rank's %d stored rows (the run starts over)", dropped)
+
     def metrics(self) -> dict[str, float]:
         """This rank's ``tda/*`` numbers: rows and steps since :func:`attach` (or the last resume),
         rows skipped for NaN/inf gradients over the store's life. :meth:`run_metrics` has the run's."""

@@ -42,6 +42,7 @@ from ..config import ConfigError, TDAConfig, to_plain
 from ..store.errors import StoreError
 from ..store.format import write_json_atomic
 from ..training.selection import DataOrder
+from . import decided_on_rank0, launch_attempt, requeued_from
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
 
@@ -358,10 +359,18 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
                               f"{ckpt}; give --steps >= {engine.global_steps}, or a new run_dir to start over")
     elif session.store is not None and session.store.held_rows():
         rows, path = session.store.held_rows(), session.store.path
-        session.close()
-        raise ConfigError(f"run_dir: {run_dir} has no checkpoint to resume from, but the gradient store {path} "
-                          f"holds {rows} rows of an earlier run: this run's would be mixed into it. Give a new "
-                          f"run_dir (or tda.store.path), or remove {path} to start over")
+        # rank 0 reads run.json, which it rewrites below: every rank gets the one answer
+        if decided_on_rank0(lambda: _requeued(run_dir)):
+            log.warning("run_dir: %s holds the run this job started before it was requeued, stopped before its "
+                        "first checkpoint: starting it over (the %d rows stored in %s are dropped)",
+                        run_dir, rows, path)
+            session.start_over()
+        else:
+            session.close()
+            raise ConfigError(f"run_dir: {run_dir} has no checkpoint to resume from, but the gradient store {path} "
+                              f"holds {rows} rows of an earlier run: this run's would be mixed into it. Give a new "
+                              f"run_dir (or tda.store.path), or remove {path} to start over (a requeue of the Slurm "
+                              "job that started it starts it over by itself)")
     # Written once the run has started or resumed: a refused resume leaves the files of the run it
     # refused to continue as they were.
     if rank == 0:
@@ -376,7 +385,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         write_json_atomic(run_dir / RUN_JSON, {
             "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
-            "weights": WEIGHTS_FILE})
+            "weights": WEIGHTS_FILE, "attempt": launch_attempt()})     # the job: its requeue may start over
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     steps, save_every = int(cfg["steps"]), int(cfg.get("save_every") or 0)
@@ -421,6 +430,16 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _requeued(run_dir: Path) -> bool:
+    """Whether this process is a requeue of the job that started the run in ``run_dir`` (its
+    ``run.json`` records the job; see :func:`launch_attempt`). Unreadable: not one."""
+    try:
+        saved = json.loads((run_dir / RUN_JSON).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and requeued_from(saved.get("attempt"))
 
 
 def _check_deepspeed_config(ds_config: dict[str, Any]) -> int:

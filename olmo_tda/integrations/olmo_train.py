@@ -20,7 +20,7 @@ import yaml
 
 from ..config import ConfigError, TDAConfig
 from ..store.format import STORE_JSON
-from . import decided_on_rank0
+from . import decided_on_rank0, launch_attempt, requeued_from
 from .olmo import BASIS_FILE, TDA_YAML, TDATrainer
 
 __all__ = ["train", "init_distributed", "release_distributed"]
@@ -104,8 +104,9 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: ty
                   step_callbacks=(), *, continues: bool = False) -> TDATrainer:
     """Model, wrapping, optimizer, scheduler, data loader and the trainer — OLMo's recipe.
     ``trainer_cls=olmo.train.Trainer`` builds OLMo's own trainer from the same pieces (parity tests).
-    ``continues``: the run in ``save_folder`` is resumed from its latest checkpoint (see
-    :func:`_choose_start`), so its ``train_data`` folder is its own and is reused."""
+    ``continues``: the start continues the run in ``save_folder``, resumed from its latest checkpoint
+    or started over by its requeued job (see :func:`_choose_start`), so its ``train_data`` folder is
+    its own and is reused."""
     from olmo.config import DistributedStrategy
     from olmo.data import build_train_dataloader
     from olmo.eval import build_evaluators
@@ -146,7 +147,12 @@ def _save_configs(cfg, tda_cfg: TDAConfig, store_id: str | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save(folder / "config.yaml")                         # plain OLMo: loadable by OLMo's tools
     # store_id: which store is this run's, so a later fresh start here removes that store only
-    saved = {"tda": tda_cfg.to_dict(), **({"store_id": store_id} if store_id else {})}
+    saved: dict = {"tda": tda_cfg.to_dict()}
+    if store_id:
+        saved["store_id"] = store_id
+    attempt = launch_attempt()      # the scheduler job that started it: its requeue may start it over
+    if attempt:                     # (see _requeue_restarts)
+        saved["attempt"] = attempt
     (folder / TDA_YAML).write_text(yaml.safe_dump(saved, sort_keys=False))
 
 
@@ -167,7 +173,8 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
     ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step.
 
     As OLMo's own script, ``try_load_latest_save`` resumes from the save folder's latest checkpoint
-    (a requeued job: the same command continues the run; with nothing saved yet it starts fresh). A
+    (a requeued job: the same command continues the run; with nothing saved yet it starts fresh, and
+    a requeue of the job whose run stopped before its first checkpoint starts that run over). A
     save folder that already holds a run (its ``config.yaml``) otherwise needs ``save_overwrite``. A fresh
     start with ``save_overwrite`` removes the old run's checkpoints and TDA outputs first, so the new
     run's store, trajectory and latest checkpoint are never mixed with the old run's. The configs are
@@ -328,7 +335,8 @@ def _choose_start(cfg, tda_cfg: TDAConfig) -> bool:
     checkpoint to load is refused, not removed; so is a TDA path of the new config that already holds
     another run's store or trajectory, in any folder. Rank 0 decides and removes; every rank gets its
     outcome (shared save folders, as OLMo's own ``config.yaml`` needs). Returns whether the start
-    continues the folder's run from its latest checkpoint (see :func:`build_trainer`)."""
+    continues the folder's run: from its latest checkpoint, or over from step 0 by a requeue of its
+    job (see :func:`_requeue_restarts`, :func:`build_trainer`)."""
     from olmo.util import find_latest_checkpoint
 
     folder = Path(cfg.save_folder)
@@ -350,7 +358,8 @@ def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> bool:
         raise ConfigError(f"load_path: no such checkpoint {cfg.load_path}")
     held = not cfg.dry_run and (folder / "config.yaml").is_file()
     continues = held and _resumes_latest(cfg, folder, load)
-    if held and not cfg.save_overwrite and not continues:
+    restarts = held and not cfg.save_overwrite and not continues and _requeue_restarts(cfg, folder)
+    if held and not cfg.save_overwrite and not continues and not restarts:
         _refuse_overwrite(cfg, folder, load)
     fresh = not cfg.dry_run and (cfg.load_path is None or cfg.reset_trainer_state)
     if not fresh:                 # a resume keeps the folder: the store is cut back when it is restored
@@ -377,10 +386,10 @@ def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> bool:
             raise ConfigError(f"tda.{kind}.path {path} already holds a {kind} (of another run): a new run would mix "
                               "into it; point it elsewhere or remove it")
     if stale:
-        log.warning("save_overwrite on a fresh start: removing the old run's %s", ", ".join(map(str, stale)))
+        log.warning("a fresh start over the old run: removing its %s", ", ".join(map(str, stale)))
         for path in stale:
             _remove(path, through_link=path not in checkpoints)
-    return False
+    return restarts
 
 
 def _resumes_latest(cfg, folder: Path, load: Path | None) -> bool:
@@ -391,6 +400,26 @@ def _resumes_latest(cfg, folder: Path, load: Path | None) -> bool:
     if step is None or cfg.reset_trainer_state:
         return False
     return all(_checkpoint_step(p) <= step for p in folder.iterdir() if _CHECKPOINT.match(p.name))
+
+
+def _requeue_restarts(cfg, folder: Path) -> bool:
+    """Whether a start without ``save_overwrite`` may start the run in ``folder`` over: it was stopped
+    before its first checkpoint (``try_load_latest_save`` found none, so there is nothing to resume)
+    and this process is a requeue of the scheduler job that started it (its ``tda.yaml`` records the
+    job; see :func:`launch_attempt`). Its outputs are then removed as by a fresh start with
+    ``save_overwrite``. Any other start over a run with no checkpoint is refused: a finished run
+    that saved none, or another job's, is not this job's to remove."""
+    if not (cfg.try_load_latest_save and cfg.load_path is None):
+        return False
+    try:
+        saved = yaml.safe_load((folder / TDA_YAML).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    if not isinstance(saved, dict) or not requeued_from(saved.get("attempt")):
+        return False
+    log.warning("%s holds the run this %s job started before it was requeued, stopped before its first "
+                "checkpoint: starting it over (its TDA outputs are removed)", folder, saved["attempt"]["scheduler"])
+    return True
 
 
 def _refuse_overwrite(cfg, folder: Path, load: Path | None) -> None:
@@ -405,7 +434,8 @@ def _refuse_overwrite(cfg, folder: Path, load: Path | None) -> None:
     if cfg.try_load_latest_save and cfg.load_path is None:
         raise ConfigError(f"{folder} already holds a run ({config}) but no checkpoint to resume (try_load_latest_save "
                           "found none): pass --save_overwrite to start it over (its checkpoints and TDA outputs "
-                          "are removed), or use another save_folder")
+                          "are removed), or use another save_folder (a requeue of the Slurm job that started it "
+                          "starts it over by itself)")
     raise ConfigError(f"{folder} already holds a run ({config}): pass --try_load_latest_save to resume it from its "
                       "latest checkpoint, or --save_overwrite to overwrite it (a fresh start, or a resume from "
                       "another checkpoint)")
