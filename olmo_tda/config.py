@@ -546,8 +546,8 @@ def parse_config(cls: type, data: Any, *, path: str) -> Any:
 
 
 def _parse_dataclass(cls: type, data: Any, path: str) -> Any:
-    if isinstance(data, cls):
-        return data
+    if isinstance(data, cls):       # built in Python (an override in a list): checked as strictly as YAML
+        data = {f.name: getattr(data, f.name) for f in dataclasses.fields(cls) if f.init}
     _check(isinstance(data, dict), path, f"expected a mapping, got {type(data).__name__} {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]

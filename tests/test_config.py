@@ -65,10 +65,17 @@ def test_yaml_section_and_overrides(tmp_path):
     ({"proj_dim": (64,)}, r"expected 2 items, got 1"),
     ({"proj_dim": True}, r"got bool True"),
     ({"modules": "blocks.*"}, r"capture\.modules: expected a list"),
+    # an override built in Python: a str of patterns would be read a character at a time ('*': every layer)
+    ({"overrides": [{"modules": "*ff_out", "rank": 3}]}, r"capture\.overrides\[0\]\.modules: expected a list"),
+    ({"overrides": [{"modules": ["0"], "rank": 2.5}]}, r"capture\.overrides\[0\]\.rank: .*got float 2\.5"),
+    ({"overrides": [{"modules": ["0"], "proj_dim": (16.0, 8)}]}, r"capture\.overrides\[0\]\.proj_dim: .* float 16\.0"),
 ])
 def test_configs_built_in_python_are_checked_too(kwargs, match):
     from olmo_tda import CaptureConfig, GradientCapture
+    from olmo_tda.config import LayerOverride
     import torch
+    if "overrides" in kwargs:
+        kwargs = {**kwargs, "overrides": [LayerOverride(**o) for o in kwargs["overrides"]]}
     with pytest.raises(ConfigError, match=match):
         GradientCapture(torch.nn.Linear(2, 2), CaptureConfig(**kwargs))
 
