@@ -661,6 +661,30 @@ def test_an_identity_input_side_refuses_an_input_changed_in_place():
         cap.remove()
 
 
+def test_token_factors_of_an_identity_input_side_survive_a_reused_input_buffer():
+    """With a LoRIF rank, short examples keep their token factors until the record ends; with an
+    identity input side the input factor is the layer's input. A gradient-accumulation loop that
+    copies each micro-batch into one input buffer must not overwrite the earlier ones' rows: they
+    equal exact per-example gradients from torch.func."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32, bias=False), nn.Tanh(), nn.Linear(32, 4, bias=False))
+    batches = [torch.randn(2, 3, 8) for _ in range(2)]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    exact = torch.cat([vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()),
+                            in_dims=(None, 0))(params, b)["0.weight"] for b in batches])
+    cap = GradientCapture(model, CaptureConfig(proj_dim=0, rank=4, modules=["0"]))
+    buffer = torch.empty(2, 3, 8)
+    with cap.record(range(4)) as rec:
+        for b in batches:
+            buffer.copy_(b)
+            model(buffer).pow(2).sum().backward()
+    cap.remove()
+    assert cap.layer_ranks == {"0": 4}
+    assert rel_err(rec.dense()["0"], exact) < 1e-5
+
+
 def test_an_empty_record_has_zero_rows():
     cap = GradientCapture(nn.Linear(5, 3), CaptureConfig(proj_dim=0, rank=1))
     with cap.record([]) as rec:

@@ -450,7 +450,7 @@ class GradientCapture:
             if s_out is not None:           # the scaling in effect at this layer's forward
                 g = g * s_out.to(g.device)
             grads_BTKo = proj.project_out(g)
-            self._add(rec, name, forward_id, grads_BTKo, acts_BTKi)
+            self._add(rec, name, forward_id, grads_BTKo, acts_BTKi, owned=alias is None)
 
     def _recording(self, name: str, recomputed: bool) -> Recording | None:
         """The active record for a gradient arriving now (None: outside any record, warned once)."""
@@ -473,12 +473,15 @@ class GradientCapture:
         return rec
 
     def _add(self, rec: Recording, name: str, forward_id: int, grads_BTKo: torch.Tensor,
-             acts_BTKi: torch.Tensor) -> None:
-        """Add ``Σ_t g_t ⊗ a_t`` of one forward: as token factors (LoRIF route) or one bmm."""
+             acts_BTKi: torch.Tensor, *, owned: bool = True) -> None:
+        """Add ``Σ_t g_t ⊗ a_t`` of one forward: as token factors (LoRIF route) or one bmm.
+        ``owned=False``: ``acts_BTKi`` is the layer's input itself (an identity input side), which
+        the caller may overwrite once the backward is done (a reused input buffer): token factors,
+        kept until the record ends, keep a copy."""
         proj = self.projectors[name]
         rank = self.layer_ranks[name]
         if rank and self._keep_tokens(grads_BTKo.shape[1], proj.k_out, proj.k_in, rank):
-            rec._add(forward_id, name, (grads_BTKo, acts_BTKi))
+            rec._add(forward_id, name, (grads_BTKo, acts_BTKi if owned else acts_BTKi.clone()))
         else:
             rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
 
