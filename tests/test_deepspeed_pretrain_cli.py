@@ -84,8 +84,9 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
 def test_deepspeed_pretrain_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(tmp_path):
     """A Slurm job stopped before its run's first checkpoint and requeued (the same job id,
     SLURM_RESTART_COUNT up by one) starts the run over: the store's rows of the stopped attempt go,
-    and it ends with each step's rows once. (A run that saves no checkpoint leaves its folder as one
-    stopped before its first.) Run again in the same attempt, it is refused and left as it was."""
+    and it ends with each step's rows once. (A run that saves no checkpoint, without the summary.json
+    of its end, leaves its folder as one stopped before its first.) A requeue after the run ended, or
+    a rerun in the same attempt, is refused and leaves it as it was."""
     from olmo_tda.store import GradientStore
 
     run = tmp_path / "run"
@@ -94,9 +95,12 @@ def test_deepspeed_pretrain_requeued_job_starts_over_the_run_it_left_without_a_c
     first = run_script(tmp_path, *args, "--seed=1", env=job)     # (its config edited before the requeue)
     assert first.returncode == 0, first.stderr[-4000:]
     assert not (run / "checkpoints").exists()
-    assert json.loads((run / script.RUN_JSON).read_text())["attempt"] == {"scheduler": "slurm", "job": "31337",
-                                                                          "restart": 0}
+    assert json.loads((run / script.RUN_JSON).read_text())["attempt"] == {"scheduler": "slurm", "cluster": "",
+                                                                          "job": "31337", "restart": 0}
     rows = GradientStore.open(run / "tda" / "store").num_rows
+    finished = run_script(tmp_path, *args, env={**job, "SLURM_RESTART_COUNT": "1"})   # requeued after its end
+    assert finished.returncode == 2 and "has no checkpoint to resume from" in error_line(finished.stderr)
+    (run / "summary.json").unlink()                 # as an attempt stopped before its end leaves it
     requeued = run_script(tmp_path, *args, env={**job, "SLURM_RESTART_COUNT": "1"})
     assert requeued.returncode == 0, requeued.stderr[-4000:]
     assert f"starting it over (the {rows} rows stored in {run / 'tda' / 'store'} are dropped)" in requeued.stderr

@@ -48,7 +48,7 @@ def _run(args: list[str], nproc: int = 1, timeout: int = 300, env=None) -> subpr
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    full_env = {**_outside_slurm(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done
@@ -243,7 +243,13 @@ def _train(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subpro
     """``olmo-tda train`` in one process, whatever its exit status."""
     cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+                          env={**_outside_slurm(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+
+
+def _outside_slurm() -> dict:
+    """This environment without Slurm's job variables: a test that runs in a (requeued) job gives its
+    runs only the job it names."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 
 
 def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_dir):
@@ -257,8 +263,8 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_di
     job = {"SLURM_JOB_ID": "4242"}
     assert _train(args + ["--seed=7"], env=job).returncode == 0      # (its config edited before the requeue)
     assert not list(run_dir.glob("step*")) and GradientStore.open(run_dir / "tda" / "store").num_rows == 2 * GBS
-    assert yaml.safe_load((run_dir / "tda.yaml").read_text())["attempt"] == {"scheduler": "slurm", "job": "4242",
-                                                                             "restart": 0}
+    assert yaml.safe_load((run_dir / "tda.yaml").read_text())["attempt"] == {"scheduler": "slurm", "cluster": "",
+                                                                             "job": "4242", "restart": 0}
     requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
     assert requeued.returncode == 0, requeued.stderr[-4000:]
     assert "starting it over" in requeued.stderr

@@ -203,16 +203,16 @@ def test_a_requeue_without_save_overwrite_continues_the_run_and_nothing_else(tmp
                                     TDAConfig()) is False                        # a first start: fresh
 
 
-SCHEDULER_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+SCHEDULER_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME", "TORCHELASTIC_RUN_ID",
+                 "TORCHELASTIC_RESTART_COUNT")
 
 
 def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_only_that(tmp_path, monkeypatch):
     """A Slurm job requeued before its run's first checkpoint (try_load_latest_save finds none;
-    save_overwrite: false as configs/olmo_1b.yaml) starts the run over: the same job id, restarted
-    since the run's tda.yaml recorded it. Another job, the same attempt, a plain start, or a record
-    that cannot be read is refused as before, with the old run left as it was."""
-    for key in SCHEDULER_ENV:
-        monkeypatch.delenv(key, raising=False)
+    save_overwrite: false as configs/olmo_1b.yaml) starts the run over: the same cluster and job id,
+    restarted since the run's tda.yaml recorded it. Another job or cluster, the same attempt, a
+    torchrun restart (its run id is shared by every command with the same --rdzv_id), a plain start,
+    or a record that cannot be read is refused as before, with the old run left as it was."""
     run = _old_run(tmp_path / "run")
     for name in ("step0", "step2", "step2-unsharded", "latest"):
         olmo_train._remove(run / name)
@@ -221,63 +221,71 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_onl
     def attempt(value):
         (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": value}))
 
-    def start(**env):
+    def start(load_path=None, reset=False, **env):
         for key in SCHEDULER_ENV:
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        return olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
+        cfg = _cfg(run, try_load_latest_save=True, save_overwrite=False, load_path=load_path,
+                   reset_trainer_state=reset)
+        return olmo_train._choose_start(cfg, TDAConfig())
 
-    attempt({"scheduler": "slurm", "job": "77", "restart": 0})
-    refused = [{}, {"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}, {"SLURM_JOB_ID": "77"},
-               {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"},
+    job = {"scheduler": "slurm", "cluster": "c1", "job": "77", "restart": 0}
+    attempt(job)
+    refused = [{}, {"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1", "SLURM_CLUSTER_NAME": "c1"},
+               {"SLURM_JOB_ID": "77", "SLURM_CLUSTER_NAME": "c1"},
+               {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0", "SLURM_CLUSTER_NAME": "c1"},
+               {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "SLURM_CLUSTER_NAME": "c2"},
                {"TORCHELASTIC_RUN_ID": "77", "TORCHELASTIC_RESTART_COUNT": "1"}]
     for env in refused:
         with pytest.raises(ConfigError, match="no checkpoint to resume .* requeue of the Slurm job"):
             start(**env)
-    for damaged in ("not a mapping", {"scheduler": "slurm", "job": "77", "restart": "zero"}, None):
+    requeue = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "SLURM_CLUSTER_NAME": "c1"}
+    for damaged in ("not a mapping", {**job, "restart": "zero"}, {**job, "restart": True}, None):
         attempt(damaged)
         with pytest.raises(ConfigError, match="no checkpoint to resume"):
-            start(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="1")
+            start(**requeue)
     assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
-    attempt({"scheduler": "slurm", "job": "77", "restart": 0})
+    attempt(job)
     (run / "step2").mkdir()
     (run / "step4").mkdir()
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    with pytest.raises(ConfigError, match="not the latest checkpoint"):     # a checkpoint to load: not a restart
-        olmo_train._choose_start(_cfg(run, load_path=str(run / "step2"), save_overwrite=False), TDAConfig())
+    assert start(**requeue) is True      # the folder holds checkpoints: the requeue resumes, never starts over
+    for cfg, error in ((_cfg(run, load_path=str(run / "step2"), save_overwrite=False), "not the latest checkpoint"),
+                       (_cfg(run, save_overwrite=False), "already holds a run")):
+        with pytest.raises(ConfigError, match=error):
+            olmo_train._choose_start(cfg, TDAConfig())
+    assert (run / "step2").is_dir() and GradientStore.open(run / "tda" / "store").num_rows == 2
     for name in ("step2", "step4"):
         olmo_train._remove(run / name)
 
-    assert start(SLURM_JOB_ID="77", SLURM_RESTART_COUNT="1") is True     # the requeue: its run, over from step 0
+    # continued pretraining from another run's checkpoint: the requeue resumes it again (the resume
+    # cuts the stopped attempt's rows), or with reset_trainer_state starts over from step 0
+    other = tmp_path / "other" / "step3"
+    other.mkdir(parents=True)
+    assert start(load_path=str(other), **requeue) is True
+    assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
+    assert start(load_path=str(other), reset=True, **requeue) is True
+    assert list((run / "tda").iterdir()) == [] and other.is_dir()
+    _store(run / "tda" / "store")
+    assert start(**requeue) is True                                    # the requeue: its run, over from step 0
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "steps_notes.txt", "tda", "tda.yaml"]
     assert list((run / "tda").iterdir()) == []
-    # torchrun --max_restarts restarting its workers: the same rendezvous id, a higher restart count
-    run = _old_run(tmp_path / "elastic")
-    for name in ("step0", "step2", "step2-unsharded", "latest"):
-        olmo_train._remove(run / name)
-    recorded = yaml.safe_load((run / "tda.yaml").read_text())
-    attempt({"scheduler": "torchelastic", "job": "c0ffee", "restart": 2})
-    with pytest.raises(ConfigError, match="no checkpoint to resume"):
-        start(TORCHELASTIC_RUN_ID="c0ffee", TORCHELASTIC_RESTART_COUNT="2")
-    assert start(TORCHELASTIC_RUN_ID="c0ffee", TORCHELASTIC_RESTART_COUNT="3") is True
-    assert list((run / "tda").iterdir()) == []
 
 
-def test_the_job_a_run_records_is_slurms_else_torchruns(monkeypatch):
+def test_the_job_a_run_records_is_slurms(monkeypatch):
     from olmo_tda.integrations import launch_attempt
 
     for key in SCHEDULER_ENV:
         monkeypatch.delenv(key, raising=False)
     assert launch_attempt() is None
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")          # torchrun without --standalone or --rdzv_id
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")           # torchrun's restarts: not a requeue (see above)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert launch_attempt() is None
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    assert launch_attempt() == {"scheduler": "torchelastic", "job": "abc", "restart": 0}
     monkeypatch.setenv("SLURM_JOB_ID", "123")
+    assert launch_attempt() == {"scheduler": "slurm", "cluster": "", "job": "123", "restart": 0}
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    assert launch_attempt() == {"scheduler": "slurm", "job": "123", "restart": 2}
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "big")
+    assert launch_attempt() == {"scheduler": "slurm", "cluster": "big", "job": "123", "restart": 2}
 
 
 def test_a_sharded_checkpointer_that_cannot_work_here_is_refused_before_training():

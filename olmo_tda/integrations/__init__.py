@@ -66,31 +66,32 @@ def sum_over_ranks(values: list[float], device: Any) -> list[float]:
 
 
 def launch_attempt() -> dict[str, Any] | None:
-    """The scheduler job this process runs in and its restart count, as a run records it when it
-    starts: Slurm's job id and ``SLURM_RESTART_COUNT`` (a requeued job keeps its id and counts up),
-    else torchrun's rendezvous id and ``TORCHELASTIC_RESTART_COUNT`` (``--max_restarts``). None
-    outside both (a plain or ``--standalone``-less torchrun start, whose run id is ``none``)."""
+    """The Slurm job this process runs in, as a run records it when it starts: the cluster, the job
+    id and ``SLURM_RESTART_COUNT`` (a requeued job keeps its id, and the count goes up). None
+    outside Slurm. torchrun's own restarts (``--max_restarts``) are not counted: its run id is
+    reused by every command given the same ``--rdzv_id``, so a restart of another command (refused
+    over a run it did not start) would look like a requeue of that run's."""
     env = os.environ
-    for scheduler, job_key, count_key in (("slurm", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
-                                          ("torchelastic", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")):
-        job = env.get(job_key, "").strip()
-        if job and job != "none":
-            count = env.get(count_key, "").strip()
-            return {"scheduler": scheduler, "job": job, "restart": int(count) if count.isdigit() else 0}
-    return None
+    job = env.get("SLURM_JOB_ID", "").strip()
+    if not job:
+        return None
+    count = env.get("SLURM_RESTART_COUNT", "").strip()
+    return {"scheduler": "slurm", "cluster": env.get("SLURM_CLUSTER_NAME", "").strip(), "job": job,
+            "restart": int(count) if count.isdigit() else 0}
 
 
 def requeued_from(saved: Any) -> bool:
     """Whether this process is a later attempt of the job that started the run which recorded
-    ``saved`` (its :func:`launch_attempt`): the same scheduler and job, restarted since. Only such an
+    ``saved`` (its :func:`launch_attempt`): the same cluster and job, restarted since. Only such an
     attempt may start a run over in the folder it left without a checkpoint; anything unreadable is
     not one."""
     now = launch_attempt()
     if now is None or not isinstance(saved, Mapping):
         return False
     restart = saved.get("restart")
-    return (saved.get("scheduler") == now["scheduler"] and str(saved.get("job")) == now["job"]
-            and isinstance(restart, int) and now["restart"] > restart)
+    return (saved.get("scheduler") == now["scheduler"] and str(saved.get("cluster", "")) == now["cluster"]
+            and str(saved.get("job")) == now["job"] and isinstance(restart, int) and not isinstance(restart, bool)
+            and now["restart"] > restart)
 
 
 def cut_departed_ranks(store: Any, step: int) -> None:

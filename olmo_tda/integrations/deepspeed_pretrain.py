@@ -433,8 +433,12 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _requeued(run_dir: Path) -> bool:
-    """Whether this process is a requeue of the job that started the run in ``run_dir`` (its
-    ``run.json`` records the job; see :func:`launch_attempt`). Unreadable: not one."""
+    """Whether this process is a requeue of the Slurm job that started the run in ``run_dir`` (its
+    ``run.json`` records the job; see :func:`launch_attempt`) before that run ended (it writes
+    ``summary.json`` at its end: a run that finished without a checkpoint is not started over).
+    Unreadable: not one."""
+    if (run_dir / "summary.json").exists():
+        return False
     try:
         saved = json.loads((run_dir / RUN_JSON).read_text())
     except (OSError, ValueError):

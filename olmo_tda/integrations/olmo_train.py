@@ -358,12 +358,12 @@ def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> bool:
         raise ConfigError(f"load_path: no such checkpoint {cfg.load_path}")
     held = not cfg.dry_run and (folder / "config.yaml").is_file()
     continues = held and _resumes_latest(cfg, folder, load)
-    restarts = held and not cfg.save_overwrite and not continues and _requeue_restarts(cfg, folder)
+    restarts = held and not cfg.save_overwrite and not continues and _requeue_restarts(cfg, folder, load)
     if held and not cfg.save_overwrite and not continues and not restarts:
         _refuse_overwrite(cfg, folder, load)
     fresh = not cfg.dry_run and (cfg.load_path is None or cfg.reset_trainer_state)
     if not fresh:                 # a resume keeps the folder: the store is cut back when it is restored
-        return continues
+        return continues or restarts
     stale: list[Path] = []
     checkpoints: list[Path] = []
     if held:
@@ -402,14 +402,19 @@ def _resumes_latest(cfg, folder: Path, load: Path | None) -> bool:
     return all(_checkpoint_step(p) <= step for p in folder.iterdir() if _CHECKPOINT.match(p.name))
 
 
-def _requeue_restarts(cfg, folder: Path) -> bool:
-    """Whether a start without ``save_overwrite`` may start the run in ``folder`` over: it was stopped
-    before its first checkpoint (``try_load_latest_save`` found none, so there is nothing to resume)
-    and this process is a requeue of the scheduler job that started it (its ``tda.yaml`` records the
-    job; see :func:`launch_attempt`). Its outputs are then removed as by a fresh start with
-    ``save_overwrite``. Any other start over a run with no checkpoint is refused: a finished run
-    that saved none, or another job's, is not this job's to remove."""
-    if not (cfg.try_load_latest_save and cfg.load_path is None):
+def _requeue_restarts(cfg, folder: Path, load: Path | None) -> bool:
+    """Whether a start without ``save_overwrite`` may start the run in ``folder`` over: the folder
+    holds no checkpoint (the run stopped before its first, so there is nothing of it to resume) and
+    this process is a requeue of the Slurm job that started it (its ``tda.yaml`` records the job;
+    see :func:`launch_attempt`). The start then goes on as with ``save_overwrite``: from step 0 the
+    old outputs are removed, and from a ``load_path`` outside the folder (continued pretraining)
+    the stored rows past its step are cut when it is restored. Any other start over a run with no
+    checkpoint is refused (another job's, or a rerun in the same attempt). A run that finished
+    without saving any checkpoint cannot be told from one stopped before its first: a requeue of
+    its job after it ended starts it over too."""
+    if load is not None and _inside(load, folder):
+        return False
+    if any(_CHECKPOINT.match(p.name) or p.name in _LATEST for p in folder.iterdir()):
         return False
     try:
         saved = yaml.safe_load((folder / TDA_YAML).read_text()) or {}
@@ -417,8 +422,8 @@ def _requeue_restarts(cfg, folder: Path) -> bool:
         return False
     if not isinstance(saved, dict) or not requeued_from(saved.get("attempt")):
         return False
-    log.warning("%s holds the run this %s job started before it was requeued, stopped before its first "
-                "checkpoint: starting it over (its TDA outputs are removed)", folder, saved["attempt"]["scheduler"])
+    log.warning("%s holds the run this Slurm job started before it was requeued, stopped before its first "
+                "checkpoint: starting it over%s", folder, f" from {cfg.load_path}" if load is not None else "")
     return True
 
 
@@ -431,9 +436,9 @@ def _refuse_overwrite(cfg, folder: Path, load: Path | None) -> None:
         raise ConfigError(f"load_path {cfg.load_path} is not the latest checkpoint of the run in {folder} (that is "
                           f"{latest.name}): resuming it would overwrite the later ones; pass --save_overwrite to "
                           "allow that, or --try_load_latest_save to resume the latest")
-    if cfg.try_load_latest_save and cfg.load_path is None:
+    if cfg.try_load_latest_save and (load is None or not _inside(load, folder)):
         raise ConfigError(f"{folder} already holds a run ({config}) but no checkpoint to resume (try_load_latest_save "
-                          "found none): pass --save_overwrite to start it over (its checkpoints and TDA outputs "
+                          "found none in it): pass --save_overwrite to start it over (its checkpoints and TDA outputs "
                           "are removed), or use another save_folder (a requeue of the Slurm job that started it "
                           "starts it over by itself)")
     raise ConfigError(f"{folder} already holds a run ({config}): pass --try_load_latest_save to resume it from its "
