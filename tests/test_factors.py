@@ -38,6 +38,25 @@ def test_factors_are_exact_when_tokens_fit_the_rank(tokens, rank):
     assert rel_err(A @ B.transpose(1, 2), _dense(g, a)) < 1e-14
 
 
+def test_exact_factors_are_balanced_so_a_float16_store_keeps_small_gradients():
+    """Output gradients far smaller than activations: each stored column pair has equal norms (as the
+    truncated route's U√S, V√S), so factors cast to float16 keep the gradient; the raw token factors
+    flushed the output side to zero."""
+    torch.manual_seed(0)
+    g, a = 1e-7 * torch.randn(3, 2, 6), 1e2 * torch.randn(3, 2, 5)
+    g[1, 1] = 0                                             # a token with no gradient: a zero column pair
+    A, B = lowrank_factors(g, a, rank=4)
+    exact = g.transpose(1, 2) @ a
+    assert rel_err(A @ B.transpose(1, 2), exact) < 1e-6
+    assert torch.allclose(A.norm(dim=1), B.norm(dim=1), rtol=1e-5, atol=0)
+    assert float(A[1, :, 1].abs().max()) == float(B[1, :, 1].abs().max()) == 0.0
+    assert rel_err(A.half().float() @ B.half().float().transpose(1, 2), exact) < 2e-3
+    for bad in (float("nan"), float("inf")):                 # stays non-finite: the store skips the example
+        g[2, 0, 0] = bad
+        A, B = lowrank_factors(g, a, rank=4)
+        assert not A[2].isfinite().all() and A[:2].isfinite().all() and B[:2].isfinite().all()
+
+
 @pytest.mark.parametrize("rank", [1, 2, 5])
 def test_factors_are_the_best_rank_c_approximation(rank):
     g, a = _tokens(4, 12, 9, 7)

@@ -70,10 +70,17 @@ def lowrank_factors(grads_BTKo: torch.Tensor, acts_BTKi: torch.Tensor, rank: int
     num, tokens, k_out = g.shape
     k_in = a.shape[-1]
     if tokens <= rank:                       # exact: the token factors, zero-padded to rank columns
+        # each pair balanced (equal norms, as U√S and V√S below; a pair with a zero side is zero):
+        # output gradients are often orders of magnitude smaller than activations, and a float16
+        # store would flush the small side to zero
+        # (NaN and inf stay non-finite, so the store still skips such an example)
+        g_norm, a_norm = g.norm(dim=-1, keepdim=True), a.norm(dim=-1, keepdim=True)       # [B, T, 1]
+        zero = (g_norm == 0) | (a_norm == 0)
+        ratio = torch.where(zero, 1, a_norm / torch.where(zero, 1, g_norm)).sqrt()
         A = g.new_zeros(num, k_out, rank)
         B = a.new_zeros(num, k_in, rank)
-        A[:, :, :tokens] = g.transpose(1, 2)
-        B[:, :, :tokens] = a.transpose(1, 2)
+        A[:, :, :tokens] = (g * torch.where(zero, 0, ratio)).transpose(1, 2)
+        B[:, :, :tokens] = (a * torch.where(zero, 0, 1 / ratio)).transpose(1, 2)
         return A, B
     # gᵀa = Rgᵀ (Qgᵀ Qa) Ra with g = Qg Rg, a = Qa Ra; then Rgᵀ = U1 S1, Raᵀ = U2 S2 (thin QRs):
     # gᵀa = U1 (S1 Qgᵀ Qa S2ᵀ) U2ᵀ, an SVD of the small middle factor finishes it.
