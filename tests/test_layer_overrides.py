@@ -128,3 +128,9 @@ def test_eigenbasis_keeps_the_widest_override_and_unused_ones_warn(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="olmo_tda.capture.hooks"):
         GradientCapture(model, CaptureConfig(overrides=[LayerOverride(modules=["nope*"], rank=1)])).remove()
     assert "match no captured layer" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="olmo_tda.capture.hooks"):    # first match wins: 'head' is taken
+        GradientCapture(model, CaptureConfig(overrides=[LayerOverride(modules=["*"], rank=1),
+                                                        LayerOverride(modules=["head"], rank=3)])).remove()
+    assert "[['head']] match only layers an earlier override already sets" in caplog.text
+    assert "match no captured layer" not in caplog.text

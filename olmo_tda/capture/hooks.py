@@ -350,11 +350,15 @@ class GradientCapture:
         self._scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._moments: dict[str, LayerMoments] | None = None
         self._moment_rows: int | None = None     # only the first rows of a batch count (the rest: padding)
-        unused = [o.modules for o in self.config.overrides
+        unused = [o for o in self.config.overrides
                   if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
-        if unused:
-            log.warning("capture.overrides %s match no captured layer (captured: %s ...)", unused,
-                        list(self.modules)[:4])
+        shadowed = [o.modules for o in unused if any(fnmatch.fnmatchcase(n, p) for n in self.modules for p in o.modules)]
+        if shadowed:
+            log.warning("capture.overrides %s match only layers an earlier override already sets (the first match "
+                        "wins): they change nothing", shadowed)
+        if len(unused) > len(shadowed):
+            log.warning("capture.overrides %s match no captured layer (captured: %s ...)",
+                        [o.modules for o in unused if o.modules not in shadowed], list(self.modules)[:4])
         if enabled:
             self._attach()
 
