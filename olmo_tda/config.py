@@ -171,9 +171,10 @@ class CaptureConfig:
     follows the number of its Kronecker eigen-directions whose K-FAC curvature exceeds influence's
     default damping (0.1 × the mean); a layer that cannot hold its share (``proj_dim`` caps each
     side) passes the excess on. Its ``(k_out, k_in)`` is the rectangle of top eigenvectors with the
-    most effective dimension ``Σ κ/(κ+λ)`` within the share. The widths are frozen in the basis file
-    at estimation. Floats of dense rows: with ``rank`` a layer stores its factors where smaller. At
-    the same floats this agrees with exact influence better than an even split (docs/BENCHMARKS.md)."""
+    most effective dimension ``Σ κ/(κ+λ)`` within the share. The widths (and the cap) are frozen in
+    the basis file at estimation: capture refuses the file under another budget or ``proj_dim``.
+    Floats of dense rows: with ``rank`` a layer stores its factors where smaller. At the same floats
+    this agrees with exact influence better than an even split (docs/BENCHMARKS.md)."""
     overrides: list[LayerOverride] = field(default_factory=list)
     """Per-layer budgets, e.g. ``[{modules: ["*ff_out"], proj_dim: 64, rank: 3}]``: give the layers
     that carry most of the score (an LM's output head) more of the bytes. First match wins."""

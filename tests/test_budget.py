@@ -141,6 +141,7 @@ def test_budget_basis_captures_exact_projection_and_refuses_a_mismatch(tmp_path)
     path = basis.save(tmp_path / "b.safetensors")
     loaded = EigenBasis.load(path)
     assert loaded.budget == 150 and loaded.header()["budget"] == 150
+    assert loaded.cap == (16, 16) and loaded.header()["budget_cap"] == [16, 16]
     dims = {n: loaded.dims(n) for n in loaded.layers}
     assert dims == {n: basis.dims(n) for n in basis.layers}
     assert sum(a * b for a, b in dims.values()) <= 150 and len(set(dims.values())) > 1      # not an even split
@@ -187,6 +188,27 @@ def test_budget_basis_captures_exact_projection_and_refuses_a_mismatch(tmp_path)
     assert EigenBasis.load(tmp_path / "old.st").budget == 0
     with pytest.raises(EigenBasisError, match=r"asks for 16.*allocated for capture\.budget 150"):
         GradientCapture(model, CaptureConfig(proj_dim=16, proj_type="eigen", basis=str(path)))
+    # the same budget under another proj_dim cap: the file's widths were split under cap 16
+    for proj_dim in (4, 32):
+        message = r"caps each side at \(%d, %d\) .* cap of \(16, 16\)" % (proj_dim, proj_dim)
+        with pytest.raises(EigenBasisError, match=message):
+            GradientCapture(model, CaptureConfig(proj_dim=proj_dim, proj_type="eigen", budget=150, basis=str(path)))
+    # a budgeted file from before the cap was recorded: widths above the cap are refused, naming the layer
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    header = json.loads(meta[eb.FORMAT_NAME])
+    del header["budget_cap"]
+    save_file(tensors, str(tmp_path / "uncapped.st"), metadata={eb.FORMAT_NAME: json.dumps(header)})
+    assert EigenBasis.load(tmp_path / "uncapped.st").cap is None
+    GradientCapture(model, CaptureConfig(proj_dim=16, proj_type="eigen", budget=150,
+                                         basis=str(tmp_path / "uncapped.st"))).remove()
+    with pytest.raises(EigenBasisError, match=r"caps each side at \(4, 4\) .* allocated layer"):
+        GradientCapture(model, CaptureConfig(proj_dim=4, proj_type="eigen", budget=150,
+                                             basis=str(tmp_path / "uncapped.st")))
+    header["budget_cap"] = [16, "x"]
+    save_file(tensors, str(tmp_path / "bad.st"), metadata={eb.FORMAT_NAME: json.dumps(header)})
+    with pytest.raises(EigenBasisError, match=r"damaged header: budget_cap \[16, 'x'\]"):
+        EigenBasis.load(tmp_path / "bad.st")
 
 
 def test_config_errors_name_the_key():

@@ -114,7 +114,7 @@ class EigenBasis:
     """
 
     def __init__(self, layers: dict[str, LayerBasis], *, path: str | os.PathLike[str] | None = None,
-                 budget: int = 0):
+                 budget: int = 0, cap: tuple[int, int] | None = None):
         if not layers:
             raise EigenBasisError("an eigenbasis needs at least one layer")
         self.layers = dict(sorted(layers.items()))
@@ -122,6 +122,9 @@ class EigenBasis:
         self.budget = int(budget)
         """``capture.budget`` the widths were allocated for (0: not allocated). When nonzero each
         layer's ``(k_out, k_in)`` is the number of eigenvectors it keeps per side (:meth:`dims`)."""
+        self.cap = (int(cap[0]), int(cap[1])) if budget and cap is not None else None
+        """``(k_out, k_in)`` that capped each side when the widths were allocated (``capture.proj_dim``);
+        None when not allocated, or in a file from before it was recorded."""
         self.digest = _digest(self.layers)
 
     def __repr__(self) -> str:
@@ -159,6 +162,7 @@ class EigenBasis:
         return {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "digest": self.digest,
             "num_tokens": self.num_tokens, "budget": self.budget,
+            **({"budget_cap": list(self.cap)} if self.cap is not None else {}),
             "convention": "rows = eigenvectors of E[a a^T] (in, bias column last) and E[g g^T] (out, g = grad "
                           "of the summed token loss), largest eigenvalue first, largest-|entry| positive; unscaled",
             "layers": {n: {"n_out": lb.n_out, "n_in": lb.n_in, "k_out": lb.proj_out.shape[0],
@@ -253,7 +257,11 @@ class EigenBasis:
             budget = int(header.get("budget", 0))
         except (TypeError, ValueError):
             raise EigenBasisError(f"eigenbasis {path}: damaged header: budget {header.get('budget')!r}") from None
-        basis = cls(layers, path=path, budget=budget)
+        cap = header.get("budget_cap")
+        if cap is not None and not (isinstance(cap, list) and len(cap) == 2
+                                    and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in cap)):
+            raise EigenBasisError(f"eigenbasis {path}: damaged header: budget_cap {cap!r}")
+        basis = cls(layers, path=path, budget=budget, cap=None if cap is None else tuple(cap))
         if basis.digest != header.get("digest"):
             raise EigenBasisError(f"eigenbasis {path} is corrupt: its matrices hash to {basis.digest[:16]}, "
                                   f"its header says {str(header.get('digest'))[:16]}")
@@ -591,7 +599,7 @@ def eigenbasis_from_covariances(
                 log.warning("eigenbasis: layer %s %sput side has only %d directions with variance among its top %d "
                             "(from %d tokens); the rest are arbitrary null-space directions: use more tokens",
                             name, side, live, values.numel(), cov.num_tokens)
-    return EigenBasis(layers, budget=budget)
+    return EigenBasis(layers, budget=budget, cap=(k_out, k_in))
 
 
 def estimate_eigenbasis(model: nn.Module, batches: Iterable[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
@@ -645,7 +653,7 @@ def _broadcast(basis: EigenBasis) -> EigenBasis:
         traces = torch.tensor([lb.trace_out, lb.trace_in], dtype=torch.float64, device=device)
         dist.broadcast(traces, src=0)
         layers[name] = dataclasses.replace(lb, **fields, trace_out=traces[0].item(), trace_in=traces[1].item())
-    return EigenBasis(layers, budget=basis.budget)
+    return EigenBasis(layers, budget=basis.budget, cap=basis.cap)
 
 
 def _broadcast_dims(dims: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:

@@ -377,6 +377,13 @@ class GradientCapture:
                 f"capture.budget is {self.config.budget} but eigenbasis {basis.where()} was "
                 + (f"allocated for a budget of {basis.budget}" if basis.budget else "estimated without a budget")
                 + ": re-estimate it with this capture config (a training run does so when the file is absent)")
+        cap = self.config.proj_dims
+        if basis.cap is not None and basis.cap != cap or any(a > b for a, b in zip(basis.dims(name), cap)):
+            raise EigenBasisError(
+                f"capture.proj_dim caps each side at {cap} under capture.budget, but eigenbasis {basis.where()} was "
+                + (f"allocated under a cap of {basis.cap}" if basis.cap is not None
+                   else f"allocated layer {name} {basis.dims(name)}")
+                + ": re-estimate it with this capture config (a training run does so when the file is absent)")
         return basis.dims(name)
 
     def _attach(self) -> None:
