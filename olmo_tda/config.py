@@ -86,7 +86,8 @@ class FactorRoute(str, enum.Enum):
     QR = "qr"
     """Thin QRs of the two token-factor matrices and an SVD of the small core: never forms Ĝ."""
     DENSE = "dense"
-    """Form the k_out×k_in projected gradient, then its SVD (cheaper for long examples at small k)."""
+    """Form the k_out×k_in projected gradient, then truncate it (an eigendecomposition of its smaller
+    Gram matrix, the same factors as an SVD's; cheaper for long examples at small k)."""
 
 
 class LossReduction(str, enum.Enum):
@@ -155,8 +156,9 @@ class CaptureConfig:
     table's whole gradient; other ``F.linear`` uses of a table are not seen. Random projections only."""
     rank: int = 0
     """LoRIF factor rank c: store each example's projected gradient as ``A [k_out, c] Bᵀ [c, k_in]``
-    (exact when the example has <= c tokens, else its best rank-c approximation). 0 = dense. A layer
-    where c·(k_out+k_in) >= k_out·k_in is stored dense: that is both smaller and exact."""
+    (exact when the example has <= c token rows in the layer, counting every call of it, else its best
+    rank-c approximation). 0 = dense. A layer where c·(k_out+k_in) >= k_out·k_in is stored dense:
+    that is both smaller and exact."""
     factor_route: FactorRoute = FactorRoute.AUTO
     """How factors of examples longer than c tokens are computed (``auto`` | ``qr`` | ``dense``)."""
     basis: str | None = None

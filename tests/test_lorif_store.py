@@ -277,6 +277,46 @@ def test_factor_store_round_trip_and_methods_equal_dense(tmp_path, dtype):
             assert rel_err(got.all_scores, ref.all_scores) < 10 * tol, (method, opts, route)
 
 
+def test_truncated_factor_rows_score_as_their_dense_product_and_stored_queries_work(tmp_path):
+    """Examples longer than c tokens store their best rank-c approximation: every method scores those
+    rows as a dense store holding the same approximations (materialized here) does, GradDot also as
+    the explicit float64 inner products. Factored queries (``rec.stored()``) are taken as their dense
+    product: exact at T <= c, so they score as the dense queries."""
+    model = TokenMLP()
+    cap_f, factor_recs = _records(model, CaptureConfig(proj_dim=10, seed=1, rank=2), tokens=6)    # T=6 > c=2
+    cap_d, _ = _records(model, CaptureConfig(proj_dim=10, seed=1), steps=1)
+    factors = _write(tmp_path / "f", cap_f, factor_recs)
+    assert factors.layer_ranks == {"fc1": 2, "fc2": 2}
+    materialized = [GradientRecord(ids=r.ids, step=r.step, lr=r.lr, loss_scale=r.loss_scale,
+                                   grads={n: g.dense() for n, g in r.grads.items()}) for r in factor_recs]
+    dense = _write(tmp_path / "d", cap_d, materialized)
+    rows = dense.read_all()
+    x = _inputs(3, 6, seed=99)
+    with cap_f.record(range(3)) as rec:
+        ((model(x) ** 2).sum()).backward()
+    model.zero_grad(set_to_none=True)
+    queries = rec.dense()
+    assert rel_err(torch.stack([g.dense() for g in rec.stored().values()]),
+                   torch.stack(list(queries.values()))) > 1e-3          # truncated: the factors are not exact
+    explicit = sum(queries[n].flatten(1).double() @ rows.grads[n].flatten(1).double().T for n in queries)
+    got = attribute(factors, queries, method="graddot", top_k=12, return_scores=True)
+    assert rel_err(got.all_scores, explicit) < 1e-5
+    for method, opts in [("gradcos", {}), ("influence", {"hessian": "raw"}), ("influence", {"hessian": "ekfac"})]:
+        ref = attribute(dense, queries, method=method, top_k=12, return_scores=True, **opts)
+        got = attribute(factors, queries, method=method, top_k=12, return_scores=True, **opts)
+        assert rel_err(got.all_scores, ref.all_scores) < 1e-4, (method, opts)
+    # factored queries: their product, which is exact for examples of at most c tokens
+    with cap_f.record(range(3)) as short:
+        ((model(_inputs(3, 2, seed=98)) ** 2).sum()).backward()
+    model.zero_grad(set_to_none=True)
+    assert all(isinstance(g, LowRank) for g in short.stored().values())
+    ref = attribute(factors, short, top_k=12, return_scores=True)
+    got = attribute(factors, short.stored(), top_k=12, return_scores=True)
+    assert rel_err(got.all_scores, ref.all_scores) < 1e-5
+    with pytest.raises(TypeError, match="got {'fc1': 'ndarray'}"):
+        attribute(factors, {"fc1": np.zeros((1, 10, 10))}, top_k=2)
+
+
 def test_store_refuses_the_wrong_representation(tmp_path):
     model = TokenMLP()
     cap_f, factor_recs = _records(model, CaptureConfig(proj_dim=10, rank=4), steps=1)

@@ -88,6 +88,12 @@ def _as_queries(queries: Any) -> dict[str, torch.Tensor]:
         queries = queries.dense()
     if not isinstance(queries, dict) or not queries:
         raise TypeError("queries must be a Recording or a non-empty {layer: Tensor[Q, Ko, Ki]} dict")
+    from ..store.record import LowRank
+
+    queries = {name: q.dense() if isinstance(q, LowRank) else q for name, q in queries.items()}   # rec.stored()
+    odd = {name: type(q).__name__ for name, q in queries.items() if not isinstance(q, torch.Tensor)}
+    if odd:
+        raise TypeError(f"queries must be a Recording or a {{layer: Tensor[Q, Ko, Ki]}} dict; got {odd}")
     sizes = {q.shape[0] for q in queries.values()}
     if len(sizes) != 1:
         raise ValueError(f"query gradients disagree on the number of queries: {sorted(sizes)}")
