@@ -107,7 +107,11 @@ def main(argv=None):
     p.add_argument("--ks", default="16,64")
     p.add_argument("--seeds", type=int, default=2)
     args = p.parse_args(argv)
-    rows = [r for d in args.d_models.split(",") for r in measure(int(d), args)]
+    try:
+        d_models, _ = [int(d) for d in args.d_models.split(",")], [int(k) for k in args.ks.split(",")]
+    except ValueError:
+        p.error(f"--d-models and --ks take comma-separated integers, got {args.d_models!r} and {args.ks!r}")
+    rows = [r for d in d_models for r in measure(d, args)]
     print(f"{'d_model':>7} {'kind':>11} {'k':>4} {'spearman':>9} {'no head':>8} {'head mass':>9} {'loss':>6}")
     for r in rows:
         print(f"{r['d_model']:>7} {r['kind']:>11} {r['k']:>4} {r['spearman']:>9.3f} {r['spearman_no_head']:>8.3f} "

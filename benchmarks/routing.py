@@ -250,13 +250,18 @@ def main(argv=None) -> dict:
         args.rounds, args.min_sample_s = 5, 0.02
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.tokens = [int(t) for t in args.tokens.split(",")]
-    args.query_q = [int(q) for q in args.query_q.split(",")]
-    args.ranks = [int(c) for c in args.ranks.split(",")]
+    try:
+        args.tokens = [int(t) for t in args.tokens.split(",")]
+        args.query_q = [int(q) for q in args.query_q.split(",")]
+        args.ranks = [int(c) for c in args.ranks.split(",")]
+    except ValueError:
+        p.error("--tokens, --query-q and --ranks take comma-separated integers")
     ops = args.ops.split(",")
+    sweeps = {"capture": sweep_capture, "ghost": sweep_ghost, "query": sweep_query}
+    if not set(ops) <= set(sweeps):
+        p.error(f"--ops: unknown {sorted(set(ops) - set(sweeps))}; choose from {', '.join(sweeps)}")
     gen = torch.Generator().manual_seed(args.seed)
     t_start = time.perf_counter()
-    sweeps = {"capture": sweep_capture, "ghost": sweep_ghost, "query": sweep_query}
     rows = [r for op in ops for r in sweeps[op](args, gen)]
 
     print(f"routing: k={K}, capture B={args.capture_batch} c={args.rank}; ghost Q={args.ghost_q} N={args.ghost_n}; "

@@ -68,10 +68,18 @@ def run_script(name: str, flags: list[str]) -> dict:
     out = {"command": "python benchmarks/" + " ".join([f"{name}.py", *flags]), "rc": proc.returncode,
            "seconds": time.perf_counter() - t0}
     if proc.returncode == 0 and lines:
-        out["json"] = json.loads(lines[-1])
+        try:
+            out["json"] = json.loads(lines[-1])
+        except json.JSONDecodeError as e:         # the row says so; the other scripts still run
+            out["error"] = [f"its last line is not JSON ({e})"]
     else:
         out["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     return out
+
+
+def _cell(text: str) -> str:
+    """``text`` as a markdown table cell in backticks: no pipe or backtick can end it early."""
+    return "`" + text.replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
 
 
 def main(argv=None) -> int:
@@ -105,7 +113,7 @@ def main(argv=None) -> int:
         for name, flags in OTHERS.items():
             r = run_script(name, flags)
             shown = json.dumps(r["json"]) if "json" in r else f"failed (rc {r['rc']}): {r['error'][0]}"
-            lines.append(f"| `{r['command']}` | {r['seconds']:.0f} | `{shown}` |")
+            lines.append(f"| `{r['command']}` | {r['seconds']:.0f} | {_cell(shown)} |")
             print(f"[run_all] {name}: {'ok' if 'json' in r else 'FAILED'} ({r['seconds']:.0f} s)", file=sys.stderr)
         doc = replace_block(doc, "headlines", "\n".join(lines), "## Latest headline of every script (run_all --all)")
     args.doc.write_text(doc)

@@ -285,7 +285,7 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="1 seed (< 15 min on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="1 seed (~5 min on 2 cores)")
     p.add_argument("--seeds", type=int, default=5,
                    help="seeds per arm (one seed's steps saved ranges over 0-0.43: 3 seeds are too few to read)")
     p.add_argument("--arms", default=",".join(ARMS))
@@ -322,8 +322,10 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--smooth", type=int, default=3,
                    help="validation losses averaged over the last N evaluations before the metrics (1 = raw)")
-    p.add_argument("--out", default=None, help="folder for runs and the PNG (default: a temp dir; PNG in docs/)")
-    p.add_argument("--png", default=str(ROOT / "docs" / "selection_curves.png"))
+    p.add_argument("--out", default=None, help="folder for runs and the PNG (default: a temp dir)")
+    p.add_argument("--png", default=None,
+                   help="where the curves go (default: OUT/selection_curves.png; docs/BENCHMARKS.md's figure is "
+                        "docs/selection_curves.png, written by the full run only when asked)")
     args = p.parse_args(argv)
     if args.quick:
         args.seeds = 1
@@ -361,7 +363,8 @@ def main(argv=None) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     summary = summarize(results, args.steps, args.smooth)
-    plot(results, Path(args.png))
+    png = Path(args.png) if args.png else folder / "selection_curves.png"
+    plot(results, png)
     print(f"\nselection: tiny OLMo d_model {args.d_model}, {args.steps} steps x {args.batch} x {args.seq} bytes "
           f"(pool {3 * args.n_each}: {args.steps * args.batch / (3 * args.n_each):.2f} epoch), rounds every "
           f"{args.every} steps over {args.window} upcoming examples ({args.mode}), scored on "

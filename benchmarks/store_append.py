@@ -132,8 +132,8 @@ def main(argv=None) -> dict:
     cpu: dict[tuple[str, int], list[float]] = {c: [] for c in cases}
     try:
         append_rate("one_step", 64 * ROWS, grads, work)                 # warm-up: imports, first file
-        for _ in range(args.rounds):
-            for layout, n in cases:
+        for r in range(args.rounds):       # interleaved, the order rotated each round (no case always first)
+            for layout, n in cases[r % len(cases):] + cases[:r % len(cases)]:
                 rate, shards[(layout, n)], us = append_rate(layout, n, grads, work)
                 rates[(layout, n)].append(rate)
                 cpu[(layout, n)].append(us)

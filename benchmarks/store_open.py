@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = sorted(int(s) for s in args.sizes.split(","))
     if not sizes or sizes[0] < 1 or args.rounds < 1:
         p.error("--sizes must be positive shard counts and --rounds >= 1")
+    if sizes[-1] - sizes[0] <= args.rounds:      # each size's measuring adds `rounds` shards
+        p.error(f"--sizes needs two counts more than --rounds ({args.rounds}) apart: the cost per 1000 shards is "
+                "the slope between the smallest and the largest")
     rows = []
     with tempfile.TemporaryDirectory(prefix="store_open_") as tmp:
         path, step, t_start = Path(tmp) / "store", 0, time.perf_counter()
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f" flush {1e3 * med['flush']:.1f} ms, manifest {manifest / 1024:.0f} KB", file=sys.stderr)
         elapsed = time.perf_counter() - t_start
     lo, hi = rows[0], rows[-1]
-    span = max(1, hi["shards"] - lo["shards"]) / 1000
+    span = (hi["shards"] - lo["shards"]) / 1000          # > 0: checked on the sizes above
     per_k = {k: (hi[f"{k}_ms"] - lo[f"{k}_ms"]) / span for k in ("open", "writer", "flush")}
     print(f"{'shards':>7} {'open ms':>8} {'writer ms':>10} {'flush ms':>9} {'manifest KB':>12}")
     for r in rows:

@@ -94,8 +94,12 @@ def main(argv=None) -> dict:
     p.add_argument("--ks", default="16,64", help="projected widths (exact is always measured)")
     p.add_argument("--seeds", type=int, default=2)
     args = p.parse_args(argv)
+    try:
+        d_models, _ = [int(d) for d in args.d_models.split(",")], [int(k) for k in args.ks.split(",")]
+    except ValueError:
+        p.error(f"--d-models and --ks take comma-separated integers, got {args.d_models!r} and {args.ks!r}")
     torch.manual_seed(0)
-    rows = [r for d in args.d_models.split(",") for r in measure(int(d), args)]
+    rows = [r for d in d_models for r in measure(d, args)]
     print(f"\ntied-head OLMo, 2 blocks, {args.steps} steps; GradDot vs exact all-parameter GradDot, "
           f"{args.num_train} train x {args.num_queries} queries")
     print(f"{'d_model':>7s} {'k':>5s} {'captured':22s} {'Spearman':>9s}")

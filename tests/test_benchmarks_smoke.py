@@ -175,9 +175,10 @@ def test_store_open_runs():
     assert res["benchmark"] == "store_open" and [r["shards"] for r in res["rows"]] == [5, 13]   # + a round's shard
     assert all(r["open_ms"] > 0 and r["manifest_kb"] > 0 for r in res["rows"])
     assert res["rows"][1]["manifest_kb"] > res["rows"][0]["manifest_kb"]      # one entry per shard
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_open.py"), "--sizes", "0"],
-                         capture_output=True, text=True)
-    assert out.returncode != 0 and "--sizes must be positive" in out.stderr
+    for sizes, error in (("0", "--sizes must be positive"), ("5", "--sizes needs two counts")):   # one size: no slope
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_open.py"), "--sizes", sizes],
+                             capture_output=True, text=True)
+        assert out.returncode != 0 and error in out.stderr
 
 
 def test_store_append_runs(tmp_path):

@@ -255,6 +255,23 @@ def test_run_all_rewrites_only_its_block():
     assert "more hand-written" in twice and "hand-written" in twice
 
 
+def test_run_all_headlines_survive_odd_lines(tmp_path, monkeypatch):
+    """--all's table: a script whose last line is not JSON is reported as such (the rest still run),
+    and a pipe or backtick in a result cannot break its row."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import run_all
+
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bad.py").write_text("print('{not json')\n")
+    (tmp_path / "benchmarks" / "odd.py").write_text("print('{\"note\": \"a|b`c\"}')\n")
+    monkeypatch.setattr(run_all, "ROOT", tmp_path)
+    bad, odd = run_all.run_script("bad", []), run_all.run_script("odd", [])
+    assert "json" not in bad and "its last line is not JSON" in bad["error"][0]
+    assert odd["json"] == {"note": "a|b`c"}
+    row = f"| x | 1 | {run_all._cell(json.dumps(odd['json']))} |"
+    assert row.replace("\\|", "").count("|") == 4
+
+
 def test_exact_influence_equals_the_explicit_damped_inverse():
     """The ground truth of the curvature column: Woodbury on the N×N Gram = the explicit
     per-layer (G_lᵀG_l/N + λ_l I)⁻¹ with λ_l = 0.1·tr(F_l)/D_l."""
