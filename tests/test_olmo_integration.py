@@ -339,6 +339,11 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
     # steps as one uninterrupted pass (restarted sums keep [0, 5, ...] here)
     kept = [c.step for c in Trajectory.list(run / "tda" / "trajectory")]
     assert kept == uninterrupted_trajectory(store_dir) and kept[-1] > 2, kept
+    # the same command again (a requeue after the job finished): at its end, nothing is trained
+    # (OLMo's fit would train and store one step past stop_at)
+    done = _train(more + ["--try_load_latest_save=true", "--optimizer.learning_rate=0.03"], cwd=tmp_path)
+    assert done.returncode == 0 and "nothing to train" in done.stdout + done.stderr, done.stderr[-3000:]
+    assert stored(store_dir)[0] == third and not (run / "step9-unsharded").exists()
 
     # back to an earlier checkpoint of the same run: the steps after it run again, and the store and
     # the metrics hold each step once (the abandoned steps' rows are cut, not appended after)

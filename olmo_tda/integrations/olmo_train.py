@@ -205,7 +205,9 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
             elif cfg.load_path is None and not cfg.dry_run and not cfg.no_pre_train_checkpoint:
                 kind = CheckpointType.sharded if cfg.save_num_checkpoints_to_keep != 0 else CheckpointType.unsharded
                 trainer.save_checkpoint(kind)
-            if not cfg.dry_run:
+            if not cfg.dry_run and _reached_the_end(trainer, cfg):
+                log.warning("the run is at step %d, its end (stop_at): nothing to train", trainer.global_step)
+            elif not cfg.dry_run:
                 trainer.fit()
         dist.barrier()       # only on success: a rank that failed never reaches it, and the others must
         ok = True            # not wait here for it while its real error goes unreported
@@ -214,6 +216,16 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
         if wandb.run is not None:
             wandb.finish(exit_code=0 if ok else 1)
         release_distributed()
+
+
+def _reached_the_end(trainer, cfg) -> bool:
+    """Whether a resumed run is already at the step ``fit`` would stop at (OLMo's rule: ``stop_at``,
+    else ``max_steps`` + 10; ``stop_after`` counts from the resume). OLMo's ``fit`` checks only after
+    a step, so it would train (and store) one step past the end: a requeue of a finished job would."""
+    if cfg.stop_after is not None:
+        return False
+    stop_at = cfg.stop_at if cfg.stop_at is not None else trainer.max_steps + 10
+    return trainer.global_step >= stop_at
 
 
 def _restore_checkpoint(trainer, cfg) -> None:
