@@ -254,6 +254,54 @@ def test_deepspeed_bad_input_names_the_problem_and_disabled_touches_nothing(runs
                     r"the store back to step (\d+)", results["abandoned"]), results["abandoned"]
 
 
+def test_deepspeed_example_estimates_the_eigenbasis_over_both_ranks_batches(tmp_path):
+    """proj_type eigen without a basis file on 2 ranks (ZeRO-2): the file the script writes is the
+    eigenbasis of the covariances summed over both ranks' micro-batches, at the initial weights:
+    the same as one process estimating it over all of them (weights from the step-0 trajectory
+    checkpoint, the batches rebuilt from the script's data order)."""
+    from safetensors.torch import load_file
+
+    from olmo_tda.capture.eigenbasis import EigenBasis, estimate_eigenbasis
+    from olmo_tda.config import TDAConfig
+    from olmo_tda.integrations import deepspeed_pretrain as script
+    from olmo_tda.training.selection import DataOrder
+    from olmo_tda.training.trajectory import Trajectory
+
+    run = tmp_path / "run"
+    overrides = [f"--run_dir={run}", "--model.d_model=32", "--model.embedding_size=257", "--data.seq_len=32",
+                 "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
+                 "--tda.capture.proj_dim=8", "--tda.capture.proj_type=eigen", "--tda.capture.basis_batches=2",
+                 "--tda.trajectory.enabled=true", "--steps=1", "--save_every=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "olmo_tda.integrations.deepspeed_pretrain", str(HERE.parent / "configs" / "deepspeed_tiny.yaml")]
+    done = subprocess.run([*cmd, *overrides], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-6000:]
+    got = EigenBasis.load(run / "tda" / "basis.safetensors")
+
+    cfg = script.load_config(HERE.parent / "configs" / "deepspeed_tiny.yaml", overrides)
+    from olmo.config import ModelConfig
+    torch.manual_seed(0)                                   # the script's seed: the same initial weights
+    model = script.CausalLM(ModelConfig(**{"init_device": "cpu", **cfg["model"]}))
+    theta0 = load_file(str(Trajectory.list(run / "tda" / "trajectory")[0].path / "model.safetensors"))
+    assert max(rel_err(theta0[k].float(), v) for k, v in model.state_dict().items()) < 1e-2   # (bf16 copy)
+    data = script.TokenData([str(run / "data" / "train.npy")], 32)
+    order = DataOrder(len(data), lambda epoch: script._epoch_order(0, epoch, len(data)))
+    batches = [data.batch(order.ids(j * 2, 2)) for j in range(4)]      # rank 0's 2, then rank 1's 2
+
+    def summed(m, batch):
+        logits = m.olmo(batch["input_ids"]).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+
+    capture = TDAConfig.from_dict({"capture": {"proj_dim": 8}}).capture
+    want = estimate_eigenbasis(model, batches, summed, capture)
+    assert set(got.layers) == set(want.layers)
+    for name, lb in want.layers.items():
+        mine = got.layer(name)
+        for side in ("eigvals_out", "eigvals_in"):
+            assert rel_err(getattr(mine, side), getattr(lb, side)) < 1e-6, (name, side)
+
+
 def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store(tmp_path):
     """The Megatron-style example (OLMo under deepspeed.initialize, ZeRO-2, bf16) on 2 ranks: a Slurm
     job's attempt stopped before its first checkpoint (1 step, none saved), its requeue starts over

@@ -114,6 +114,37 @@ def test_deepspeed_pretrain_requeued_job_starts_over_the_run_it_left_without_a_c
     assert GradientStore.open(run / "tda" / "store").num_rows == rows
 
 
+def test_deepspeed_pretrain_estimates_a_missing_eigenbasis_except_under_zero3(tmp_path):
+    """proj_type eigen without a basis file: the script estimates one at the initial weights (stages
+    0-2, as an OLMo run does), captures through it, and a resume reuses it. ZeRO-3 builds the model
+    partitioned: there a missing file is a one-line error naming the remedy, and the file works."""
+    from olmo_tda.capture.eigenbasis import EigenBasis
+    from olmo_tda.store import GradientStore
+
+    run = tmp_path / "run"
+    eigen = ["--tda.capture.proj_type=eigen", "--tda.capture.basis_batches=2", "--save_every=1"]
+    first = run_script(tmp_path, f"--run_dir={run}", "--steps=1", *SMALL, *eigen)
+    assert first.returncode == 0, first.stderr[-4000:]
+    basis = EigenBasis.load(run / "tda" / "basis.safetensors")
+    store = GradientStore.open(run / "tda" / "store")
+    assert set(store.layer_shapes) == set(basis.layers) and store.num_rows > 0
+    assert all(s == (8, 8) for s in store.layer_shapes.values())
+    assert json.loads((run / script.RUN_JSON).read_text())["tda"]["capture"]["basis"] == \
+        str(run / "tda" / "basis.safetensors")
+    digest = basis.digest
+    again = run_script(tmp_path, f"--run_dir={run}", "--steps=2", *SMALL, *eigen)
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr[-4000:]
+    assert EigenBasis.load(run / "tda" / "basis.safetensors").digest == digest
+    zero3 = ["--deepspeed.zero_optimization.stage=3"]
+    refused = run_script(tmp_path, f"--run_dir={tmp_path / 'z3'}", "--steps=1", *SMALL, *eigen, *zero3)
+    assert refused.returncode == 2
+    assert "under ZeRO-3 the model is built partitioned, so the script cannot estimate it" in error_line(refused.stderr)
+    given = run_script(tmp_path, f"--run_dir={tmp_path / 'z3'}", "--steps=1", *SMALL, *eigen, *zero3,
+                       f"--tda.capture.basis={run / 'tda' / 'basis.safetensors'}")
+    assert given.returncode == 0, given.stderr[-4000:]
+    assert GradientStore.open(tmp_path / "z3" / "tda" / "store").num_rows > 0
+
+
 def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_path):
     """Refusals that need the process group (DeepSpeed checks its config against the world size;
     the data rows are counted): exit 2 with the key path, no traceback."""

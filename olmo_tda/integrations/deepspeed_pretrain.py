@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, TDAConfig, to_plain
+from ..config import ConfigError, ProjectionType, TDAConfig, to_plain
 from ..store.errors import StoreError
 from ..store.format import write_json_atomic
 from ..training.selection import DataOrder
@@ -337,6 +337,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     model_cfg = ModelConfig(**{"init_device": "cpu", **cfg["model"]})
     with deepspeed.zero.Init(enabled=stage == 3, config_dict_or_path=ds_config):
         model = CausalLM(model_cfg)
+    if tda.enabled and tda.capture.proj_type is ProjectionType.EIGEN and not tda.capture.exact:
+        tda.capture.basis = str(_eigenbasis(model, tda.capture, cfg, ds_config, data, run_dir, stage))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
     session = attach(engine, tda)
@@ -430,6 +432,60 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _eigenbasis(model: nn.Module, capture: Any, cfg: dict[str, Any], ds_config: dict[str, Any], data: "TokenData",
+                run_dir: Path, stage: int) -> Path:
+    """The run's eigenbasis file (``capture.basis``, else ``run_dir/tda/basis.safetensors``), estimated
+    first if it does not exist, as an OLMo run does: at the initial weights, before DeepSpeed wraps the
+    model, over ``capture.basis_batches`` micro-batches per rank from the start of the data order
+    (rank r takes the r-th group of them). ZeRO-3 builds the model partitioned, so there the file
+    must exist already."""
+    import torch.distributed as dist
+
+    from ..capture import activation_grads_only, estimate_eigenbasis
+    from .olmo import basis_path
+
+    path = basis_path(capture, run_dir)
+    if decided_on_rank0(path.is_file):        # rank 0 decides, so that no rank estimates alone
+        return path
+    if stage == 3:
+        raise ConfigError(f"tda.capture.basis: proj_type 'eigen' needs the eigenbasis file {path}, and under ZeRO-3 "
+                          "the model is built partitioned, so the script cannot estimate it: run the same config with "
+                          "zero_optimization.stage 2 for --steps=1 (it writes the file), or save "
+                          "olmo_tda.capture.eigenbasis.estimate_eigenbasis(...) there")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = _micro_batch_size(ds_config, world)
+    seed, num = int(cfg.get("seed", 0)), len(data)
+    order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
+    first = rank * capture.basis_batches
+    batches = [data.batch(order.ids((first + j) * micro, micro)) for j in range(capture.basis_batches)]
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    model.to(device)
+
+    def summed_loss(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = m.olmo(batch["input_ids"].to(device)).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].to(device).flatten(),
+                               ignore_index=-100, reduction="sum")
+
+    log.info("tda: estimating the eigenbasis over %d micro-batches of %d per rank -> %s", capture.basis_batches,
+             micro, path)
+    with activation_grads_only(model):       # the covariances need activations' gradients only
+        basis = estimate_eigenbasis(model, batches, summed_loss, capture, distributed=world > 1)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        basis.save(path)
+    dist.barrier()
+    return path
+
+
+def _micro_batch_size(ds_config: dict[str, Any], world: int) -> int:
+    """The micro-batch size DeepSpeed will use, from the config's batch keys (before it resolves them)."""
+    if ds_config.get("train_micro_batch_size_per_gpu"):
+        return int(ds_config["train_micro_batch_size_per_gpu"])
+    total, gas = ds_config.get("train_batch_size"), int(ds_config.get("gradient_accumulation_steps") or 1)
+    return max(1, int(total) // (gas * world)) if total else 1
 
 
 def _requeued(run_dir: Path) -> bool:
