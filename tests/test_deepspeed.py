@@ -254,6 +254,35 @@ def test_deepspeed_bad_input_names_the_problem_and_disabled_touches_nothing(runs
                     r"the store back to step (\d+)", results["abandoned"]), results["abandoned"]
 
 
+def test_deepspeed_example_zero3_on_two_ranks_starts_from_olmos_init(tmp_path):
+    """ZeRO-3 builds the model partitioned, where OLMo's own init met empty tensors: the script
+    re-runs it on the gathered weights. The step-0 trajectory checkpoint (the gathered initial
+    weights) equals a plain build of the same config and seed, tied head included."""
+    from olmo.config import ModelConfig
+    from safetensors.torch import load_file
+
+    from olmo_tda.integrations import deepspeed_pretrain as script
+    from olmo_tda.training.trajectory import Trajectory
+
+    run = tmp_path / "run"
+    overrides = [f"--run_dir={run}", "--model.d_model=32", "--model.embedding_size=257", "--data.seq_len=32",
+                 "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
+                 "--deepspeed.zero_optimization.stage=3", "--deepspeed.bf16.enabled=false", "--model.weight_tying=true",
+                 "--tda.capture.proj_dim=8", "--tda.trajectory.enabled=true", "--steps=1", "--save_every=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "olmo_tda.integrations.deepspeed_pretrain", str(HERE.parent / "configs" / "deepspeed_tiny.yaml")]
+    done = subprocess.run([*cmd, *overrides], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-6000:]
+    theta0 = load_file(str(Trajectory.list(run / "tda" / "trajectory")[0].path / "model.safetensors"))
+    cfg = script.load_config(HERE.parent / "configs" / "deepspeed_tiny.yaml", overrides)
+    torch.manual_seed(0)
+    plain = script.CausalLM(ModelConfig(**{"init_device": "cpu", **cfg["model"]})).state_dict()
+    assert set(theta0) == set(plain)
+    assert all(torch.equal(theta0[k], plain[k]) for k in plain), \
+        {k: float((theta0[k] - plain[k]).abs().max()) for k in plain}
+
+
 def test_deepspeed_example_estimates_the_eigenbasis_over_both_ranks_batches(tmp_path):
     """proj_type eigen without a basis file on 2 ranks (ZeRO-2): the file the script writes is the
     eigenbasis of the covariances summed over both ranks' micro-batches, at the initial weights:

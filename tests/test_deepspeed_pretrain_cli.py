@@ -145,6 +145,23 @@ def test_deepspeed_pretrain_estimates_a_missing_eigenbasis_except_under_zero3(tm
     assert GradientStore.open(tmp_path / "z3" / "tda" / "store").num_rows > 0
 
 
+def test_deepspeed_pretrain_zero3_starts_from_the_weights_of_a_plain_build(tmp_path):
+    """ZeRO-3 builds the model partitioned (zero.Init), where OLMo's own init met empty tensors: the
+    first step's loss (at the initial weights, same data) must equal ZeRO-2's, tied head included,
+    and sit near ln(vocab) as OLMo's init gives."""
+    import math
+
+    losses = {}
+    for stage in (2, 3):
+        done = run_script(tmp_path, f"--run_dir={tmp_path / f'z{stage}'}", "--steps=1", "--save_every=0", *SMALL,
+                          f"--deepspeed.zero_optimization.stage={stage}", "--deepspeed.bf16.enabled=false",
+                          "--model.weight_tying=true", "--tda.enabled=false")
+        assert done.returncode == 0, done.stderr[-4000:]
+        losses[stage] = json.loads((tmp_path / f"z{stage}" / "summary.json").read_text())["final_loss"]
+    assert abs(losses[3] - losses[2]) < 1e-4 * losses[2], losses
+    assert abs(losses[2] - math.log(257)) < 0.5, losses
+
+
 def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_path):
     """Refusals that need the process group (DeepSpeed checks its config against the world size;
     the data rows are counted): exit 2 with the key path, no traceback."""

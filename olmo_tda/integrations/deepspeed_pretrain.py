@@ -337,6 +337,14 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     model_cfg = ModelConfig(**{"init_device": "cpu", **cfg["model"]})
     with deepspeed.zero.Init(enabled=stage == 3, config_dict_or_path=ds_config):
         model = CausalLM(model_cfg)
+    if stage == 3:
+        # zero.Init partitions each layer as it is built, so OLMo's own init (reset_parameters, at the
+        # end of OLMo.__init__) met empty tensors and the weights kept torch's defaults (a tied head on
+        # N(0, 1) embeddings starts at loss ~26). Run it again on the gathered weights: every rank draws
+        # the same numbers from the same seed (rank 0's are kept), the weights of a plain build.
+        # This holds the whole model on each rank once.
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            model.olmo.reset_parameters()
     if tda.enabled and tda.capture.proj_type is ProjectionType.EIGEN and not tda.capture.exact:
         tda.capture.basis = str(_eigenbasis(model, tda.capture, cfg, ds_config, data, run_dir, stage))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
