@@ -360,6 +360,7 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
     block = store.read_all(layers=store.layers[:1])
     keys = list(zip(block.ids.tolist(), block.steps.tolist()))
     assert len(keys) == len(set(keys))
+    assert summary["tda"]["rows_captured"] == len(keys)       # the run's rows: both ranks, through the resume
     num = int((tmp_path / "run" / "data" / "train.npy").stat().st_size // 2 // 32)
     order = dict(world=2, micro_bs=2, gas=2, num=num, seed=0)
     want = {(int(i), s) for s in range(1, 7) for r in range(2) for m in range(2) for i in script.step_ids(s, r, m, **order)}

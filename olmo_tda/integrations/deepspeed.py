@@ -396,7 +396,7 @@ class DeepSpeedTDA:
             self.trajectory.resume(step, (state or {}).get("trajectory"))    # cut); its later checkpoints go
         dropped = self.store.truncate_after(step)
         if dropped:
-            log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, step)
+            log.info("tda: dropped %d of this rank's stored rows past step %d (they will be re-run)", dropped, step)
         cut_departed_ranks(self.store, step)     # resumed on fewer ranks: the others' later rows too
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
         self._rows_before = int((state or {}).get("rows_captured_run", 0))

@@ -431,7 +431,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     _save_final_weights(engine, run_dir / WEIGHTS_FILE, rank)
     summary = {"steps": steps, "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
                "zero_stage": stage, "world_size": world,
-               "tda": session.metrics() if tda.enabled and tda.store.enabled else None}
+               # rows: the run's, over the ranks and through resumes (collective); steps: this session's
+               "tda": session.run_metrics() if tda.enabled and tda.store.enabled else None}
     session.close()
     if selection is not None:
         selection.close()
