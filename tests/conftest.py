@@ -68,6 +68,12 @@ def linear_grad(exact: dict, name: str, with_bias: bool) -> torch.Tensor:
     return torch.cat([w, exact[f"{name}.bias"].unsqueeze(-1)], dim=-1)
 
 
+def outside_slurm_env() -> dict:
+    """This process's environment without Slurm's job variables: a test that itself runs inside a
+    (requeued) Slurm job gives the runs it starts only the job it names."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import _deepspeed_worker as worker
-from conftest import rel_err
+from conftest import outside_slurm_env, rel_err
 from olmo_tda.store import GradientStore
 
 pytest.importorskip("deepspeed")
@@ -50,6 +50,20 @@ blocks round activations and output gradients in bf16 ~20 times in sequence, so 
 per-example gradients differ from fp32 math on the same (bf16-rounded) weights by ~1e-2 (measured
 worst 7.5e-3 over the matrix: see test_deepspeed_bf16_error_is_the_engines_own_rounding). The
 tolerance is 4x that; the fp32 runs of the same cases agree to < 1e-6."""
+
+
+DS_CONFIG = HERE.parent / "configs" / "deepspeed_tiny.yaml"
+
+
+def pretrain_two_ranks(cwd: Path, overrides: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """The DeepSpeed example script on 2 ranks (torchrun, gloo) with ``overrides``; it must succeed.
+    ``env``: more variables, over this environment without Slurm's."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "olmo_tda.integrations.deepspeed_pretrain", str(DS_CONFIG), *overrides]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", **(env or {})})
+    assert done.returncode == 0, done.stderr[-6000:]
+    return done
 
 
 def torchrun(out: Path, *cases: str, expect_ok: bool = True, timeout: int = 900, nproc: int = 2,
@@ -269,13 +283,9 @@ def test_deepspeed_example_zero3_on_two_ranks_starts_from_olmos_init(tmp_path):
                  "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
                  "--deepspeed.zero_optimization.stage=3", "--deepspeed.bf16.enabled=false", "--model.weight_tying=true",
                  "--tda.capture.proj_dim=8", "--tda.trajectory.enabled=true", "--steps=1", "--save_every=0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "olmo_tda.integrations.deepspeed_pretrain", str(HERE.parent / "configs" / "deepspeed_tiny.yaml")]
-    done = subprocess.run([*cmd, *overrides], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-6000:]
+    pretrain_two_ranks(tmp_path, overrides)
     theta0 = load_file(str(Trajectory.list(run / "tda" / "trajectory")[0].path / "model.safetensors"))
-    cfg = script.load_config(HERE.parent / "configs" / "deepspeed_tiny.yaml", overrides)
+    cfg = script.load_config(DS_CONFIG, overrides)
     torch.manual_seed(0)
     plain = script.CausalLM(ModelConfig(**{"init_device": "cpu", **cfg["model"]})).state_dict()
     assert set(theta0) == set(plain)
@@ -301,14 +311,10 @@ def test_deepspeed_example_estimates_the_eigenbasis_over_both_ranks_batches(tmp_
                  "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
                  "--tda.capture.proj_dim=8", "--tda.capture.proj_type=eigen", "--tda.capture.basis_batches=2",
                  "--tda.trajectory.enabled=true", "--steps=1", "--save_every=0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "olmo_tda.integrations.deepspeed_pretrain", str(HERE.parent / "configs" / "deepspeed_tiny.yaml")]
-    done = subprocess.run([*cmd, *overrides], capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-6000:]
+    pretrain_two_ranks(tmp_path, overrides)
     got = EigenBasis.load(run / "tda" / "basis.safetensors")
 
-    cfg = script.load_config(HERE.parent / "configs" / "deepspeed_tiny.yaml", overrides)
+    cfg = script.load_config(DS_CONFIG, overrides)
     from olmo.config import ModelConfig
     torch.manual_seed(0)                                   # the script's seed: the same initial weights
     model = script.CausalLM(ModelConfig(**{"init_device": "cpu", **cfg["model"]}))
@@ -341,15 +347,10 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
     overrides = [f"--run_dir={tmp_path / 'run'}", "--model.d_model=32", "--model.embedding_size=257",
                  "--data.seq_len=32", "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
                  "--tda.capture.proj_dim=16", "--tda.store.flush_every=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "olmo_tda.integrations.deepspeed_pretrain", str(HERE.parent / "configs" / "deepspeed_tiny.yaml")]
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "OMP_NUM_THREADS": "1",
-           "SLURM_JOB_ID": "8086"}
     for steps, restart in ((1, "0"), (4, "1"), (6, "1")):     # the first attempt with another data order
         every = ["--save_every=2"] if steps > 1 else ["--save_every=0", "--seed=1"]
-        done = subprocess.run([*cmd, *overrides, *every, f"--steps={steps}"], capture_output=True, text=True,
-                              timeout=600, env={**env, "SLURM_RESTART_COUNT": restart}, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-6000:]
+        done = pretrain_two_ranks(tmp_path, [*overrides, *every, f"--steps={steps}"],
+                                  env={"SLURM_JOB_ID": "8086", "SLURM_RESTART_COUNT": restart})
         assert ("starting it over" in done.stderr) == (steps == 4)
         if steps == 1:
             (tmp_path / "run" / "summary.json").unlink()     # as an attempt stopped before its end leaves it
@@ -379,8 +380,9 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
                          "--top-k", "2", "--json", str(out_json)]) == 0
         top = _json.loads(out_json.read_text())[0]["results"][0]
         assert top["index"] == trained and top["text"] == passages[trained], (method, top)
-    bad = subprocess.run([*cmd[:1], "-m", "olmo_tda.integrations.deepspeed_pretrain", cmd[-1], "--stepz=3"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    bad = subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", str(DS_CONFIG),
+                          "--stepz=3"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert bad.returncode == 2 and "unknown top-level keys ['stepz']" in bad.stderr
 
 

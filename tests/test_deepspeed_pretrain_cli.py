@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import outside_slurm_env
 from olmo_tda.config import ConfigError
 
 pytest.importorskip("deepspeed")
@@ -32,7 +33,7 @@ SMALL = ["--model.d_model=32", "--model.embedding_size=257", "--model.max_sequen
 def run_script(tmp_path: Path, *args: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """The script as the README runs it: ``python -m``, no launcher variables in the environment
     (``env``: more variables)."""
-    plain = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV and not k.startswith("SLURM_")}
+    plain = {k: v for k, v in outside_slurm_env().items() if k not in LAUNCH_ENV}
     return subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", str(CONFIG), *args],
                           capture_output=True, text=True, timeout=timeout,
                           env={**plain, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=tmp_path)

@@ -20,7 +20,7 @@ import yaml
 from olmo_tda.demo.corpus import build_passages
 from olmo_tda.demo.data import write_memmap
 from olmo_tda.store import GradientStore
-from conftest import rel_err
+from conftest import outside_slurm_env, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GBS = 32, 8
@@ -48,7 +48,7 @@ def _run(args: list[str], nproc: int = 1, timeout: int = 300, env=None) -> subpr
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
-    full_env = {**_outside_slurm(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    full_env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done
@@ -243,13 +243,7 @@ def _train(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subpro
     """``olmo-tda train`` in one process, whatever its exit status."""
     cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env={**_outside_slurm(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
-
-
-def _outside_slurm() -> dict:
-    """This environment without Slurm's job variables: a test that runs in a (requeued) job gives its
-    runs only the job it names."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+                          env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
 
 
 def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_dir):

@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 
 class CausalLM(nn.Module):
     """Megatron-style model: takes the batch dict, returns the micro-batch's token-mean CE
-    (``tda.batch.reduction: token_mean``; ``batch["index"]`` carries the global example ids)."""
+    (``tda.batch.reduction: token_mean``; ``batch["index"]`` carries the global example ids), or
+    with ``reduction="sum"`` the summed token CE (what an eigenbasis estimate takes)."""
 
     def __init__(self, model_config: Any):
         super().__init__()
@@ -64,9 +65,10 @@ class CausalLM(nn.Module):
 
         self.olmo = OLMo(model_config)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: dict[str, torch.Tensor], reduction: str = "mean") -> torch.Tensor:
         logits = self.olmo(batch["input_ids"]).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
+                               reduction=reduction)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -345,8 +347,10 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         # This holds the whole model on each rank once.
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
             model.olmo.reset_parameters()
+    seed, num = int(cfg.get("seed", 0)), len(data)
+    data_order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
     if tda.enabled and tda.capture.proj_type is ProjectionType.EIGEN and not tda.capture.exact:
-        tda.capture.basis = str(_eigenbasis(model, tda.capture, cfg, ds_config, data, run_dir, stage))
+        tda.capture.basis = str(_eigenbasis(model, tda.capture, ds_config, data, data_order, run_dir, stage))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
     session = attach(engine, tda)
@@ -399,8 +403,6 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     steps, save_every = int(cfg["steps"]), int(cfg.get("save_every") or 0)
-    seed, num = int(cfg.get("seed", 0)), len(data)
-    data_order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
     selection = None
     if tda.enabled and tda.selection.enabled:
         selection = _start_selection(engine, tda, session, data, data_order, cfg, run_dir)
@@ -443,7 +445,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def _eigenbasis(model: nn.Module, capture: Any, cfg: dict[str, Any], ds_config: dict[str, Any], data: "TokenData",
+def _eigenbasis(model: nn.Module, capture: Any, ds_config: dict[str, Any], data: "TokenData", order: DataOrder,
                 run_dir: Path, stage: int) -> Path:
     """The run's eigenbasis file (``capture.basis``, else ``run_dir/tda/basis.safetensors``), estimated
     first if it does not exist, as an OLMo run does: at the initial weights, before DeepSpeed wraps the
@@ -465,23 +467,18 @@ def _eigenbasis(model: nn.Module, capture: Any, cfg: dict[str, Any], ds_config: 
                           "olmo_tda.capture.eigenbasis.estimate_eigenbasis(...) there")
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = _micro_batch_size(ds_config, world)
-    seed, num = int(cfg.get("seed", 0)), len(data)
-    order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
-    first = rank * capture.basis_batches
-    batches = [data.batch(order.ids((first + j) * micro, micro)) for j in range(capture.basis_batches)]
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
+    first = rank * capture.basis_batches
+    batches = [{k: v.to(device) for k, v in data.batch(order.ids((first + j) * micro, micro)).items()}
+               for j in range(capture.basis_batches)]
     model.to(device)
-
-    def summed_loss(m: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = m.olmo(batch["input_ids"].to(device)).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].to(device).flatten(),
-                               ignore_index=-100, reduction="sum")
 
     log.info("tda: estimating the eigenbasis over %d micro-batches of %d per rank -> %s", capture.basis_batches,
              micro, path)
     with activation_grads_only(model):       # the covariances need activations' gradients only
-        basis = estimate_eigenbasis(model, batches, summed_loss, capture, distributed=world > 1)
+        basis = estimate_eigenbasis(model, batches, lambda m, batch: m(batch, reduction="sum"), capture,
+                                    distributed=world > 1)
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         basis.save(path)
