@@ -692,3 +692,49 @@ def test_an_empty_record_has_zero_rows():
     assert rec.dense()[""].shape == (0, 3, 6)
     assert len(rec.to_record(step=1, lr=0.1).ids) == 0
     cap.remove()
+
+
+class _EmbedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc, self.out = nn.Embedding(20, 6), nn.Linear(6, 8), nn.Linear(8, 20)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x.mul_(2.0)                                  # in place on the lookup's output
+        return self.out(torch.tanh(self.fc(x)))
+
+
+@pytest.mark.parametrize("embedding_grads", [True, False])
+def test_activation_grads_only_reaches_every_layer_with_no_weight_gradient(embedding_grads):
+    """activation_grads_only: the backward reaches every captured layer (per-example gradients equal
+    torch.func's) while only the embeddings' weights get a gradient, or with
+    ``embedding_grads=False`` none at all (the lookups' outputs carry it, and an in-place op on them
+    stays legal); requires_grad is restored after. Without an nn.Embedding that mode is refused."""
+    from torch.func import functional_call, grad, vmap
+
+    from olmo_tda.capture import activation_grads_only
+
+    torch.manual_seed(0)
+    model = _EmbedInPlace()
+    ids = torch.randint(0, 20, (4, 5), generator=torch.Generator().manual_seed(1))
+
+    def loss(p, x):
+        logits = functional_call(model, p, (x,))
+        return nn.functional.cross_entropy(logits.flatten(0, -2), x.flatten(), reduction="sum")
+
+    exact = vmap(grad(lambda p, x: loss(p, x[None])), in_dims=(None, 0))(
+        {k: v.detach() for k, v in model.named_parameters()}, ids)
+    cap = GradientCapture(model, CaptureConfig(proj_dim=0))
+    with activation_grads_only(model, embedding_grads=embedding_grads):
+        with cap.record(range(4)) as rec:
+            loss(dict(model.named_parameters()), ids).backward()
+    for name in ("fc", "out"):
+        assert rel_err(rec.dense()[name], linear_grad(exact, name, True)) < TOL, name
+    assert (model.emb.weight.grad is not None) == embedding_grads
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("emb."))
+    assert all(p.requires_grad for p in model.parameters())
+    cap.remove()
+    with pytest.raises(ValueError, match="no nn.Embedding"):
+        with activation_grads_only(nn.Sequential(nn.Linear(3, 2)), embedding_grads=False):
+            pass

@@ -816,20 +816,43 @@ class _Pause(contextlib.AbstractContextManager):
 
 
 @contextlib.contextmanager
-def activation_grads_only(model: torch.nn.Module) -> Iterator[None]:
+def activation_grads_only(model: torch.nn.Module, *, embedding_grads: bool = True) -> Iterator[None]:
     """Backward without weight gradients: capture builds per-example gradients from activations and
     output gradients, so only the embeddings keep ``requires_grad`` (cheap, and it makes autograd
-    run through the network). Saves the dW matmuls, ~1/4 of a forward+backward."""
-    saved = {p: p.requires_grad for p in model.parameters()}
-    embeddings = {p for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    run through the network). Saves the dW matmuls, ~1/4 of a forward+backward.
+
+    ``embedding_grads=False``: no parameter gets a gradient at all; the embeddings' outputs are made
+    to require one instead (an added zero, so in-place ops on them stay legal). For a model whose
+    parameter gradients something else consumes as they arrive (a DeepSpeed engine's reduction
+    hooks) when the backward is not a training step's. Hooks registered on an embedding before this
+    context see its output before it requires a gradient."""
+    params = list(model.parameters())
+    saved = {p: p.requires_grad for p in params}
+    modules = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    embeddings = {p for m in modules for p in m.parameters()}
+    if not embedding_grads and not modules:
+        raise ValueError("activation_grads_only(embedding_grads=False): the model has no nn.Embedding whose output "
+                         "could carry the backward through the network with every weight frozen")
+    handles = []
     try:
         if embeddings:
-            for p in model.parameters():
-                p.requires_grad_(p in embeddings)
+            for p in params:
+                p.requires_grad_(embedding_grads and p in embeddings)
+        if not embedding_grads:
+            handles = [m.register_forward_hook(_needs_grad) for m in modules]
         yield
     finally:
+        for h in handles:
+            h.remove()
         for p, flag in saved.items():
             p.requires_grad_(flag)
+
+
+def _needs_grad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    """An embedding's output that requires a gradient while its weight does not (grad mode only)."""
+    if not torch.is_grad_enabled() or output.requires_grad:
+        return None
+    return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
 
 
 def _fp32(device_type: str) -> contextlib.AbstractContextManager:
