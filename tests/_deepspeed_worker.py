@@ -194,7 +194,7 @@ def check_errors(out: Path) -> None:
     import deepspeed
     import torch.distributed as dist
     from olmo_tda.config import ConfigError
-    from olmo_tda.integrations.deepspeed import attach
+    from olmo_tda.integrations.deepspeed import attach, estimate_basis
 
     root = out / "errors"
     root.mkdir(parents=True, exist_ok=True)
@@ -231,6 +231,20 @@ def check_errors(out: Path) -> None:
 
     outcome("missing_ids", lambda: forward_with({}, {k: v for k, v in batch.items() if k != "index"}))
     outcome("missing_labels", lambda: forward_with({"batch": {"labels_key": "targets"}}, batch))
+    basis = root / "basis.safetensors"
+    eigen = {**good, "capture": {"proj_type": "eigen", "proj_dim": 4, "basis": str(basis)},
+             "store": {"path": str(root / "eigen_store")}}
+    outcome("eigen_no_basis", lambda: attach(engine, eigen))
+    outcome("estimate_random", lambda: estimate_basis(engine, [batch], None, good))
+
+    def estimated():
+        counted = lambda m, b: m(b) * (b["labels"] != -100).sum()      # noqa: E731  summed token CE
+        path = estimate_basis(engine, [batch], counted, eigen)
+        grads = sum(p.grad is not None for p in engine.module.parameters())
+        rows = forward_with({k: eigen[k] for k in ("capture", "store")}, batch)
+        return f"{path == basis and basis.is_file()} grads={grads} rows={rows}"
+
+    outcome("estimate_basis", estimated)
 
     def explicit():
         tda = attach(engine, good)

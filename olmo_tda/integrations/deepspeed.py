@@ -43,20 +43,20 @@ import weakref
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..capture import GradientCapture
+from ..capture import GradientCapture, activation_grads_only, estimate_eigenbasis
 from ..capture.hooks import Recording, _in_backward
-from ..config import ConfigError, LossReduction, TDAConfig
+from ..config import ConfigError, LossReduction, ProjectionType, TDAConfig
 from ..store import GradientRecord, GradientStore
 from ..store.record import cat_rows
-from . import check_rows_continue, cut_departed_ranks, resume_state, sum_over_ranks
+from . import check_rows_continue, cut_departed_ranks, decided_on_rank0, resume_state, sum_over_ranks
 
-__all__ = ["attach", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
+__all__ = ["attach", "estimate_basis", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,41 @@ def _resolve_config(engine: Any, config: Any) -> TDAConfig:
     return TDAConfig.from_dict(dict(section))
 
 
+def estimate_basis(engine: Any, batches: Iterable[Any], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+                   config: TDAConfig | Mapping | str | Path | None = None) -> Path:
+    """Estimate the KFAC eigenbasis that ``capture.proj_type: eigen`` projects onto, through ``engine``
+    (any ZeRO stage; before its first step, as a run estimates it at its initial weights), and save it
+    to ``capture.basis``; returns that path. Call it on every rank, each with its own micro-batches,
+    then :func:`attach` with the same config. An existing file is kept (a resumed run reuses it).
+
+    ``loss_fn(engine.module, batch)`` returns the batch's **summed** token loss. It runs through the
+    engine's module as its training steps do (under ZeRO-3 its hooks gather each layer's weights in
+    turn) with every weight frozen, the embeddings' outputs carrying the backward: no parameter gets
+    a gradient, so the engine's reduction hooks see nothing and training is as without the estimate.
+    The covariances are summed over the ranks; rank 0 writes the file."""
+    config = _resolve_config(engine, config)
+    capture = config.capture
+    if capture.proj_type is not ProjectionType.EIGEN or capture.exact:
+        raise ConfigError(f"estimate_basis: tda.capture.proj_type is {capture.proj_type.value!r}"
+                          f"{' with proj_dim 0 (exact)' if capture.exact else ''}: only 'eigen' projects onto a basis")
+    if not capture.basis:
+        raise ConfigError("estimate_basis: tda.capture.basis names no file to write the eigenbasis to")
+    path = Path(capture.basis)
+    if decided_on_rank0(path.is_file):       # rank 0 decides, so that no rank estimates alone
+        return path
+    world = _world_size()
+    log.info("tda: estimating the eigenbasis through the engine (ZeRO stage %d, %d rank%s) -> %s",
+             engine.zero_optimization_stage(), world, "s" if world > 1 else "", path)
+    with activation_grads_only(engine.module, embedding_grads=False):
+        basis = estimate_eigenbasis(engine.module, batches, loss_fn, capture, distributed=world > 1)
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        basis.save(path)
+    if world > 1:
+        dist.barrier()
+    return path
+
+
 class DeepSpeedTDA:
     """The TDA session of one engine: capture, store, and the engine-method wrappers."""
 
@@ -157,6 +192,12 @@ class DeepSpeedTDA:
         if config.store.path is None:
             raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
                               "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
+        eigen = config.capture.proj_type is ProjectionType.EIGEN and not config.capture.exact
+        if capture is None and eigen and not (config.capture.basis and Path(config.capture.basis).is_file()):
+            what = f"the file {config.capture.basis} does not exist" if config.capture.basis else "no file is set"
+            raise ConfigError(f"tda.capture.basis: proj_type 'eigen' projects onto an eigenbasis file, and {what}: "
+                              "estimate it first on every rank, before the first step, with "
+                              "olmo_tda.integrations.deepspeed.estimate_basis(engine, batches, loss_fn, config)")
         self.capture = capture if capture is not None else GradientCapture(engine.module, config.capture)
         meta = self.capture.store_metadata() | {"extra": {"framework": "deepspeed",
                                                           "zero_stage": int(engine.zero_optimization_stage()),

@@ -315,7 +315,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from olmo.config import ModelConfig
 
-    from .deepspeed import attach
+    from .deepspeed import attach, estimate_basis
+    from .olmo import basis_path
 
     run_dir = Path(cfg["run_dir"])
     try:
@@ -349,10 +350,13 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             model.olmo.reset_parameters()
     seed, num = int(cfg.get("seed", 0)), len(data)
     data_order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
-    if tda.enabled and tda.capture.proj_type is ProjectionType.EIGEN and not tda.capture.exact:
-        tda.capture.basis = str(_eigenbasis(model, tda.capture, ds_config, data, data_order, run_dir, stage))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
+    if tda.enabled and tda.capture.proj_type is ProjectionType.EIGEN and not tda.capture.exact:
+        # as an OLMo run: estimated at the initial weights if missing, from the first micro-batches
+        tda.capture.basis = str(basis_path(tda.capture, run_dir))
+        estimate_basis(engine, _basis_batches(engine, data, data_order, tda.capture.basis_batches),
+                       lambda m, batch: m(batch, reduction="sum"), tda)
     session = attach(engine, tda)
     ckpt = run_dir / "checkpoints"
     if (ckpt / "latest").exists():
@@ -445,54 +449,14 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def _eigenbasis(model: nn.Module, capture: Any, ds_config: dict[str, Any], data: "TokenData", order: DataOrder,
-                run_dir: Path, stage: int) -> Path:
-    """The run's eigenbasis file (``capture.basis``, else ``run_dir/tda/basis.safetensors``), estimated
-    first if it does not exist, as an OLMo run does: at the initial weights, before DeepSpeed wraps the
-    model, over ``capture.basis_batches`` micro-batches per rank from the start of the data order
-    (rank r takes the r-th group of them). ZeRO-3 builds the model partitioned, so there the file
-    must exist already."""
+def _basis_batches(engine: Any, data: "TokenData", order: DataOrder, num: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The micro-batches that estimate a missing eigenbasis: ``num`` per rank from the start of the
+    data order (rank r takes the r-th group of them)."""
     import torch.distributed as dist
 
-    from ..capture import activation_grads_only, estimate_eigenbasis
-    from .olmo import basis_path
-
-    path = basis_path(capture, run_dir)
-    if decided_on_rank0(path.is_file):        # rank 0 decides, so that no rank estimates alone
-        return path
-    if stage == 3:
-        raise ConfigError(f"tda.capture.basis: proj_type 'eigen' needs the eigenbasis file {path}, and under ZeRO-3 "
-                          "the model is built partitioned, so the script cannot estimate it: run the same config with "
-                          "zero_optimization.stage 2 for --steps=1 (it writes the file), or save "
-                          "olmo_tda.capture.eigenbasis.estimate_eigenbasis(...) there")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    micro = _micro_batch_size(ds_config, world)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    first = rank * capture.basis_batches
-    batches = [{k: v.to(device) for k, v in data.batch(order.ids((first + j) * micro, micro)).items()}
-               for j in range(capture.basis_batches)]
-    model.to(device)
-
-    log.info("tda: estimating the eigenbasis over %d micro-batches of %d per rank -> %s", capture.basis_batches,
-             micro, path)
-    with activation_grads_only(model):       # the covariances need activations' gradients only
-        basis = estimate_eigenbasis(model, batches, lambda m, batch: m(batch, reduction="sum"), capture,
-                                    distributed=world > 1)
-    if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        basis.save(path)
-    dist.barrier()
-    return path
-
-
-def _micro_batch_size(ds_config: dict[str, Any], world: int) -> int:
-    """The micro-batch size DeepSpeed will use, from the config's batch keys (before it resolves them)."""
-    if ds_config.get("train_micro_batch_size_per_gpu"):
-        return int(ds_config["train_micro_batch_size_per_gpu"])
-    total, gas = ds_config.get("train_batch_size"), int(ds_config.get("gradient_accumulation_steps") or 1)
-    return max(1, int(total) // (gas * world)) if total else 1
-
+    micro, first = engine.train_micro_batch_size_per_gpu(), dist.get_rank() * num
+    for j in range(num):
+        yield {k: v.to(engine.device) for k, v in data.batch(order.ids((first + j) * micro, micro)).items()}
 
 def _requeued(run_dir: Path) -> bool:
     """Whether this process is a requeue of the Slurm job that started the run in ``run_dir`` (its
