@@ -738,3 +738,12 @@ def test_activation_grads_only_reaches_every_layer_with_no_weight_gradient(embed
     with pytest.raises(ValueError, match="no nn.Embedding"):
         with activation_grads_only(nn.Sequential(nn.Linear(3, 2)), embedding_grads=False):
             pass
+
+    class Pair(nn.Embedding):                     # a lookup that returns (vectors, mask)
+        def forward(self, ids):
+            return super().forward(ids), ids != 0
+
+    pair = Pair(5, 3)
+    with activation_grads_only(pair, embedding_grads=False), pytest.raises(CaptureError, match="returned a tuple"):
+        pair(torch.tensor([[1, 2]]))
+    assert pair.weight.requires_grad and not pair._forward_hooks

@@ -431,3 +431,55 @@ def test_a_pipeline_engine_is_refused_not_silently_never_captured(tmp_path):
     assert "REFUSED attach: pipeline-parallel DeepSpeed engines" in done.stdout, \
         done.stdout[-2000:] + done.stderr[-3000:]
     assert not (tmp_path / "store").exists()
+
+
+def test_estimate_basis_refusals_name_the_cause_and_tda_off_does_nothing(tmp_path):
+    """estimate_basis on one process (only ``engine.module`` and the stage are read, so a plain module
+    stands in for the engine): tda or its store off does nothing; a model whose loss does not depend
+    on an nn.Embedding's output, empty batches and an unwritable path are refused naming the cause;
+    a working estimate writes the file that attach then reads."""
+    import types
+
+    from olmo_tda.capture.eigenbasis import EigenBasis, EigenBasisError
+    from olmo_tda.config import ConfigError
+    from olmo_tda.integrations.deepspeed import estimate_basis
+
+    class Lookup(torch.nn.Module):
+        def __init__(self, functional: bool):
+            super().__init__()
+            self.functional = functional
+            self.emb, self.out = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10)
+
+        def forward(self, ids):
+            x = torch.nn.functional.embedding(ids, self.emb.weight) if self.functional else self.emb(ids)
+            return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), ids.flatten(), reduction="sum")
+
+    torch.manual_seed(0)
+    batches = [torch.randint(0, 10, (2, 5)) for _ in range(2)]
+    basis = tmp_path / "basis.safetensors"
+    config = {"enabled": True, "store": {"path": str(tmp_path / "store")},
+              "capture": {"proj_type": "eigen", "proj_dim": 2, "basis": str(basis)}}
+
+    def engine(functional=False):
+        return types.SimpleNamespace(module=Lookup(functional), zero_optimization_stage=lambda: 0)
+
+    loss = lambda m, b: m(b)                                                # noqa: E731
+    assert estimate_basis(engine(), batches, loss, {**config, "enabled": False}) is None
+    assert estimate_basis(engine(), batches, loss, {**config, "store": {"enabled": False}}) is None
+    assert not basis.exists()
+    with pytest.raises(ConfigError, match="does not depend on the output of any nn.Embedding"):
+        estimate_basis(engine(functional=True), batches, loss, config)
+    with pytest.raises(EigenBasisError, match="no batches were given"):
+        estimate_basis(engine(), [], loss, config)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"tda.capture.basis: cannot write the eigenbasis to .*afile"):
+        estimate_basis(engine(), batches, loss,
+                       {**config, "capture": {**config["capture"], "basis": str(tmp_path / "afile" / "b.st")}})
+    with pytest.raises(ConfigError, match="proj_dim is 0"):
+        estimate_basis(engine(), batches, loss, {**config, "capture": {"proj_type": "eigen", "proj_dim": 0}})
+    with pytest.raises(ConfigError, match="names no file"):
+        estimate_basis(engine(), batches, loss, {**config, "capture": {"proj_type": "eigen", "proj_dim": 2}})
+    model = engine()
+    assert estimate_basis(model, batches, loss, config) == basis
+    assert set(EigenBasis.load(basis).layers) == {"out"}
+    assert all(p.grad is None for p in model.module.parameters())

@@ -179,15 +179,18 @@ def test_deepspeed_pretrain_zero3_starts_from_the_weights_of_a_plain_build(tmp_p
 
 def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_path):
     """Refusals that need the process group (DeepSpeed checks its config against the world size;
-    the data rows are counted): exit 2 with the key path, no traceback."""
+    the data rows are counted; the eigenbasis is written after deepspeed.initialize): exit 2 with
+    the key path, no traceback."""
     short = tmp_path / "short.bin"
     short.write_bytes(b"\x01\x00" * 10)       # 10 tokens: not one row of 32
-    cases = {"--deepspeed.zero_optimization.stagee=3": "deepspeed.zero_optimization.stagee: Extra inputs are not",
-             "--deepspeed.train_batch_size=7": "deepspeed: DeepSpeed rejected the config: Check batch related",
-             f"--data.paths=[{short}]": "data.paths: ['" + str(short) + "'] hold no full row of data.seq_len=32"}
-    for override, message in cases.items():
-        done = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=1", *SMALL, override)
-        assert done.returncode == 2 and message in error_line(done.stderr), (override, done.stderr[-3000:])
+    cases = [(["--deepspeed.zero_optimization.stagee=3"], "deepspeed.zero_optimization.stagee: Extra inputs are not"),
+             (["--deepspeed.train_batch_size=7"], "deepspeed: DeepSpeed rejected the config: Check batch related"),
+             ([f"--data.paths=[{short}]"], "data.paths: ['" + str(short) + "'] hold no full row of data.seq_len=32"),
+             (["--tda.capture.proj_type=eigen", f"--tda.capture.basis={short}/basis.safetensors"],
+              f"tda.capture.basis: cannot write the eigenbasis to {short}/basis.safetensors")]
+    for overrides, message in cases:
+        done = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=1", *SMALL, *overrides)
+        assert done.returncode == 2 and message in error_line(done.stderr), (overrides, done.stderr[-3000:])
         assert not (tmp_path / "run" / script.RUN_JSON).exists()
 
 

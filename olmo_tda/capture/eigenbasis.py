@@ -426,6 +426,7 @@ def estimate_covariances(model: nn.Module, batches: Iterable[Any], loss_fn: Call
     saved_grads = [p.grad for p in params]
     was_training = model.training
     hooks = _CovarianceHooks(modules, with_bias)
+    seen = 0
     try:
         for p in params:
             p.grad = None       # fresh tensors: the saved ones are not accumulated into
@@ -436,6 +437,7 @@ def estimate_covariances(model: nn.Module, batches: Iterable[Any], loss_fn: Call
                 loss.backward()
                 for p in params:
                     p.grad = None
+                seen += 1
     finally:
         hooks.remove()
         model.train(was_training)
@@ -445,6 +447,9 @@ def estimate_covariances(model: nn.Module, batches: Iterable[Any], loss_fn: Call
     if distributed:
         covs = _all_reduce(covs, modules, with_bias)
     missing = sorted(set(modules) - set(covs))
+    if not covs and not seen:
+        raise EigenBasisError("estimating the eigenbasis: no batches were given (the batches iterable was empty"
+                              f"{' on this rank, and no rank reached a layer' if distributed else ''})")
     if missing:
         raise EigenBasisError(f"layers {missing} received no gradient while estimating the eigenbasis; if the "
                               "model calls them through F.linear capture cannot see them: add them to capture.exclude")

@@ -850,6 +850,9 @@ def activation_grads_only(model: torch.nn.Module, *, embedding_grads: bool = Tru
 
 def _needs_grad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
     """An embedding's output that requires a gradient while its weight does not (grad mode only)."""
+    if not isinstance(output, torch.Tensor):
+        raise CaptureError(f"activation_grads_only(embedding_grads=False): an embedding ({type(module).__name__}) "
+                           f"returned a {type(output).__name__}, not a tensor: its output cannot carry the backward")
     if not torch.is_grad_enabled() or output.requires_grad:
         return None
     return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)

@@ -121,22 +121,28 @@ def _resolve_config(engine: Any, config: Any) -> TDAConfig:
 
 
 def estimate_basis(engine: Any, batches: Iterable[Any], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-                   config: TDAConfig | Mapping | str | Path | None = None) -> Path:
+                   config: TDAConfig | Mapping | str | Path | None = None) -> Path | None:
     """Estimate the KFAC eigenbasis that ``capture.proj_type: eigen`` projects onto, through ``engine``
     (any ZeRO stage; before its first step, as a run estimates it at its initial weights), and save it
     to ``capture.basis``; returns that path. Call it on every rank, each with its own micro-batches,
     then :func:`attach` with the same config. An existing file is kept (a resumed run reuses it).
+    With tda or its store off (``attach`` builds no capture) it does nothing and returns None.
 
     ``loss_fn(engine.module, batch)`` returns the batch's **summed** token loss. It runs through the
     engine's module as its training steps do (under ZeRO-3 its hooks gather each layer's weights in
     turn) with every weight frozen, the embeddings' outputs carrying the backward: no parameter gets
     a gradient, so the engine's reduction hooks see nothing and training is as without the estimate.
-    The covariances are summed over the ranks; rank 0 writes the file."""
+    The covariances are summed over the ranks; rank 0 writes the file (a failure is every rank's)."""
     config = _resolve_config(engine, config)
+    if not (config.enabled and config.store.enabled):
+        return None
     capture = config.capture
-    if capture.proj_type is not ProjectionType.EIGEN or capture.exact:
-        raise ConfigError(f"estimate_basis: tda.capture.proj_type is {capture.proj_type.value!r}"
-                          f"{' with proj_dim 0 (exact)' if capture.exact else ''}: only 'eigen' projects onto a basis")
+    if capture.exact:
+        raise ConfigError("estimate_basis: tda.capture.proj_dim is 0 (exact rows): there is no projection to "
+                          "estimate a basis for")
+    if capture.proj_type is not ProjectionType.EIGEN:
+        raise ConfigError(f"estimate_basis: tda.capture.proj_type is {capture.proj_type.value!r}: only 'eigen' "
+                          "projects onto a basis")
     if not capture.basis:
         raise ConfigError("estimate_basis: tda.capture.basis names no file to write the eigenbasis to")
     path = Path(capture.basis)
@@ -145,13 +151,27 @@ def estimate_basis(engine: Any, batches: Iterable[Any], loss_fn: Callable[[torch
     world = _world_size()
     log.info("tda: estimating the eigenbasis through the engine (ZeRO stage %d, %d rank%s) -> %s",
              engine.zero_optimization_stage(), world, "s" if world > 1 else "", path)
-    with activation_grads_only(engine.module, embedding_grads=False):
-        basis = estimate_eigenbasis(engine.module, batches, loss_fn, capture, distributed=world > 1)
-    if _rank() == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        basis.save(path)
-    if world > 1:
-        dist.barrier()
+    try:
+        with activation_grads_only(engine.module, embedding_grads=False):
+            basis = estimate_eigenbasis(engine.module, batches, loss_fn, capture, distributed=world > 1)
+    except (RuntimeError, ValueError) as e:
+        if "does not require grad" not in str(e) and "no nn.Embedding" not in str(e):
+            raise
+        raise ConfigError("estimate_basis: the loss does not depend on the output of any nn.Embedding module. With "
+                          "every weight frozen (so that no parameter gets a gradient) the backward starts from the "
+                          "embeddings' outputs; for a model that looks its tokens up otherwise, estimate the basis "
+                          "on a plain copy with olmo_tda.capture.eigenbasis.estimate_eigenbasis(...).save(PATH)") \
+            from None
+
+    def save() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            basis.save(path)
+        except OSError as e:
+            raise ConfigError(f"tda.capture.basis: cannot write the eigenbasis to {path}: "
+                              f"{e.strerror or e}") from None
+
+    decided_on_rank0(save)
     return path
 
 
@@ -194,9 +214,10 @@ class DeepSpeedTDA:
                               "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
         eigen = config.capture.proj_type is ProjectionType.EIGEN and not config.capture.exact
         if capture is None and eigen and not (config.capture.basis and Path(config.capture.basis).is_file()):
-            what = f"the file {config.capture.basis} does not exist" if config.capture.basis else "no file is set"
-            raise ConfigError(f"tda.capture.basis: proj_type 'eigen' projects onto an eigenbasis file, and {what}: "
-                              "estimate it first on every rank, before the first step, with "
+            what = f"{config.capture.basis} does not exist: estimate it" if config.capture.basis else \
+                "none is set: set tda.capture.basis to a path, then estimate the file"
+            raise ConfigError(f"tda.capture.basis: proj_type 'eigen' projects onto an eigenbasis file, and {what} on "
+                              "every rank, before the first step, with "
                               "olmo_tda.integrations.deepspeed.estimate_basis(engine, batches, loss_fn, config)")
         self.capture = capture if capture is not None else GradientCapture(engine.module, config.capture)
         meta = self.capture.store_metadata() | {"extra": {"framework": "deepspeed",

@@ -352,7 +352,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     data_order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=ds_config)
-    if tda.enabled and tda.capture.proj_type is ProjectionType.EIGEN and not tda.capture.exact:
+    if tda.enabled and tda.store.enabled and tda.capture.proj_type is ProjectionType.EIGEN and not tda.capture.exact:
         # as an OLMo run: estimated at the initial weights if missing, from the first micro-batches
         tda.capture.basis = str(basis_path(tda.capture, run_dir))
         estimate_basis(engine, _basis_batches(engine, data, data_order, tda.capture.basis_batches),
