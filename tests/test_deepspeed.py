@@ -274,8 +274,8 @@ def test_deepspeed_bad_input_names_the_problem_and_disabled_touches_nothing(runs
 
 def test_deepspeed_example_zero3_on_two_ranks_starts_from_olmos_init(tmp_path):
     """ZeRO-3 builds the model partitioned, where OLMo's own init met empty tensors: the script
-    re-runs it on the gathered weights. The step-0 trajectory checkpoint (the gathered initial
-    weights) equals a plain build of the same config and seed, tied head included."""
+    re-runs it, each layer's weights gathered in turn. The step-0 trajectory checkpoint (the gathered
+    initial weights) equals a plain build of the same config and seed, tied head included."""
     from olmo.config import ModelConfig
     from safetensors.torch import load_file
 
@@ -287,7 +287,8 @@ def test_deepspeed_example_zero3_on_two_ranks_starts_from_olmos_init(tmp_path):
                  "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
                  "--deepspeed.zero_optimization.stage=3", "--deepspeed.bf16.enabled=false", "--model.weight_tying=true",
                  "--tda.capture.proj_dim=8", "--tda.trajectory.enabled=true", "--steps=1", "--save_every=0"]
-    pretrain_two_ranks(tmp_path, overrides)
+    done = pretrain_two_ranks(tmp_path, overrides)
+    assert "re-running OLMo's init on the partitioned model, layer by layer" in done.stderr
     theta0 = load_file(str(Trajectory.list(run / "tda" / "trajectory")[0].path / "model.safetensors"))
     cfg = script.load_config(DS_CONFIG, overrides)
     torch.manual_seed(0)

@@ -341,13 +341,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     with deepspeed.zero.Init(enabled=stage == 3, config_dict_or_path=ds_config):
         model = CausalLM(model_cfg)
     if stage == 3:
-        # zero.Init partitions each layer as it is built, so OLMo's own init (reset_parameters, at the
-        # end of OLMo.__init__) met empty tensors and the weights kept torch's defaults (a tied head on
-        # N(0, 1) embeddings starts at loss ~26). Run it again on the gathered weights: every rank draws
-        # the same numbers from the same seed (rank 0's are kept), the weights of a plain build.
-        # This holds the whole model on each rank once.
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-            model.olmo.reset_parameters()
+        _reinit_partitioned(model.olmo)
     seed, num = int(cfg.get("seed", 0)), len(data)
     data_order = DataOrder(num, lambda epoch: _epoch_order(seed, epoch, num))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -447,6 +441,37 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return summary
+
+
+def _reinit_partitioned(olmo: nn.Module) -> None:
+    """OLMo's own init on a model ``zero.Init`` built partitioned. zero.Init partitions each layer as
+    it is built, so OLMo's ``reset_parameters`` (at the end of ``OLMo.__init__``) met empty tensors
+    and the weights kept torch's defaults (a tied head on N(0, 1) embeddings starts at loss ~26).
+    It runs again here, each layer's weights gathered only while OLMo's ``init_normal`` draws them
+    (its other resets, of norms to ones and zeros, redo what their construction did): every rank
+    draws the same numbers in the same order from the same seed, rank 0's are kept, the weights of
+    a plain build, and no rank holds more than one layer whole. An OLMo without ``init_normal`` in
+    ``olmo.model`` gets the whole model gathered once instead."""
+    import deepspeed
+    import olmo.model as olmo_model
+
+    draw = getattr(olmo_model, "init_normal", None)
+    if draw is None:
+        log.warning("olmo.model has no init_normal: re-running OLMo's init on the whole model gathered at once")
+        with deepspeed.zero.GatheredParameters(list(olmo.parameters()), modifier_rank=0):
+            olmo.reset_parameters()
+        return
+
+    def gathered(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
+            return draw(module, *args, **kwargs)
+
+    log.info("ZeRO-3: re-running OLMo's init on the partitioned model, layer by layer")
+    olmo_model.init_normal = gathered
+    try:
+        olmo.reset_parameters()
+    finally:
+        olmo_model.init_normal = draw
 
 
 def _basis_batches(engine: Any, data: "TokenData", order: DataOrder, num: int) -> Iterator[dict[str, torch.Tensor]]:
