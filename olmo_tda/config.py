@@ -278,8 +278,9 @@ class StoreConfig:
     compression: str | None = None
     """HDF5 filter for gradient datasets (``None`` or ``"lzf"``/``"gzip"``); off by default for speed."""
     enabled: bool = True
-    """Capture every training example into the store. False: a run that only selects data (or
-    only keeps trajectory checkpoints) — no capture hooks on the training step, no store."""
+    """Capture every training example into the store. False: a run that only selects data (or,
+    OLMo runs only, only keeps trajectory checkpoints; under DeepSpeed the trajectory needs the
+    store) — no capture hooks on the training step, no store."""
 
     def validate(self, path: str = "store") -> None:
         _check_types(self, path)

@@ -104,9 +104,14 @@ def _documented_tda_keys(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_tda_key_is_commented(path):
+    """Every key of the `tda:` section is shown, each with a comment; ``batch.*`` only where a loop
+    without OLMo's trainer reads it (the DeepSpeed configs)."""
     documented = _documented_tda_keys(path)
-    unknown = documented - _leaf_keys(TDAConfig(enabled=True).to_dict())
+    known = _leaf_keys(TDAConfig(enabled=True).to_dict())
+    unknown = documented - known
     assert documented and not unknown, (path.name, unknown)   # loading rejects unknown keys too
+    missing = {k for k in known - documented if path in DEEPSPEED_CONFIGS or not k.startswith("batch.")}
+    assert not missing, (path.name, sorted(missing))
 
 
 def test_configs_show_the_same_tda_keys():

@@ -11,6 +11,9 @@ One line after ``deepspeed.initialize``::
         engine.step()
     tda.close()
 
+With ``capture.proj_type: eigen``, :func:`estimate_basis` (every rank, before the first step) writes
+the eigenbasis file ``attach`` then projects onto.
+
 What happens, per micro-batch and per optimizer step:
 
 - a forward pre-hook on ``engine.module`` reads the micro-batch's global example ids
