@@ -438,7 +438,7 @@ def test_estimate_basis_refusals_name_the_cause_and_tda_off_does_nothing(tmp_pat
     """estimate_basis on one process (only ``engine.module`` and the stage are read, so a plain module
     stands in for the engine): tda or its store off does nothing; a model whose loss does not depend
     on an nn.Embedding's output, empty batches and an unwritable path are refused naming the cause;
-    a working estimate writes the file that attach then reads."""
+    a working estimate writes the file and leaves no weight a gradient."""
     import types
 
     from olmo_tda.capture.eigenbasis import EigenBasis, EigenBasisError

@@ -450,17 +450,12 @@ def _reinit_partitioned(olmo: nn.Module) -> None:
     It runs again here, each layer's weights gathered only while OLMo's ``init_normal`` draws them
     (its other resets, of norms to ones and zeros, redo what their construction did): every rank
     draws the same numbers in the same order from the same seed, rank 0's are kept, the weights of
-    a plain build, and no rank holds more than one layer whole. An OLMo without ``init_normal`` in
-    ``olmo.model`` gets the whole model gathered once instead."""
+    a plain build, and no rank holds more than one layer whole (ai2-olmo 0.6.0, pinned: every weight
+    its blocks and embeddings draw goes through ``olmo.model.init_normal``)."""
     import deepspeed
     import olmo.model as olmo_model
 
-    draw = getattr(olmo_model, "init_normal", None)
-    if draw is None:
-        log.warning("olmo.model has no init_normal: re-running OLMo's init on the whole model gathered at once")
-        with deepspeed.zero.GatheredParameters(list(olmo.parameters()), modifier_rank=0):
-            olmo.reset_parameters()
-        return
+    draw = olmo_model.init_normal
 
     def gathered(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
@@ -482,6 +477,7 @@ def _basis_batches(engine: Any, data: "TokenData", order: DataOrder, num: int) -
     micro, first = engine.train_micro_batch_size_per_gpu(), dist.get_rank() * num
     for j in range(num):
         yield {k: v.to(engine.device) for k, v in data.batch(order.ids((first + j) * micro, micro)).items()}
+
 
 def _requeued(run_dir: Path) -> bool:
     """Whether this process is a requeue of the Slurm job that started the run in ``run_dir`` (its
