@@ -273,6 +273,31 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_di
     assert (run_dir / "tda" / "store" / "store.json").read_bytes() == store
 
 
+def test_a_requeued_job_resumes_its_outside_load_path_again(data_dir):
+    """A job that continued another run (load_path outside its own folder), stopped before its first
+    checkpoint and requeued: it resumes that load_path again, and the rows its first attempt stored
+    past the loaded step are cut, so its store holds steps 3-4 once each, of the requeue's data order
+    (the first attempt ran with another seed: leftover rows would show as wrong ids)."""
+    source = data_dir / "run_source"
+    assert _train(_overrides(data_dir, "run_source", 2, "--save_interval_unsharded=2")).returncode == 0
+    ckpt = source / "step2-unsharded"
+    run_dir = data_dir / "run_requeue_load"
+    args = _overrides(data_dir, "run_requeue_load", 4, "--save_interval_unsharded=null", f"--load_path={ckpt}",
+                      "--save_overwrite=false")
+    job = {"SLURM_JOB_ID": "4343"}
+    first = _train(args + ["--seed=7"], env=job)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert not list(run_dir.glob("step*"))
+    assert sorted(set(GradientStore.open(run_dir / "tda" / "store").read_all(layers=[]).steps.tolist())) == [3, 4]
+    requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
+    assert requeued.returncode == 0, requeued.stderr[-4000:]
+    assert f"starting it over from {ckpt}" in requeued.stderr
+    block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
+    assert len(block.ids) == 2 * GBS and sorted(set(block.steps.tolist())) == [3, 4]
+    for step in (3, 4):
+        assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
+
+
 def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tmp_path):
     """OLMo's start rules, with the TDA outputs kept consistent with the checkpoints: a folder that
     holds a run needs save_overwrite; a fresh start over it leaves nothing of the old run (store,
