@@ -54,6 +54,14 @@ def _run(args: list[str], nproc: int = 1, timeout: int = 300, env=None) -> subpr
     return done
 
 
+def _as_stopped(run_dir: Path) -> None:
+    """A run that ended, made the run of an attempt stopped before its end: its tda.yaml without the
+    ``finished`` record the end writes (the test's stand-in for a preemption)."""
+    saved = yaml.safe_load((run_dir / "tda.yaml").read_text())
+    del saved["finished"]
+    (run_dir / "tda.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+
+
 def _expected_ids(run_dir: Path, step: int) -> np.ndarray:
     order = np.memmap(run_dir / "train_data" / "global_indices.npy", dtype=np.uint32, mode="r")  # OLMo: raw uint32
     return np.sort(np.asarray(order[(step - 1) * GBS: step * GBS]))
@@ -96,6 +104,7 @@ def test_two_rank_store_is_complete_and_exact(data_dir, strategy):
     env = None
     if strategy == "fsdp":     # saving no checkpoint, a Slurm job's attempt stopped at step 2; its requeue starts over
         _run(_overrides(data_dir, run, 2, *args, "--seed=7"), nproc=2, env={"SLURM_JOB_ID": "5150"})
+        _as_stopped(data_dir / run)
         env = {"SLURM_JOB_ID": "5150", "SLURM_RESTART_COUNT": "1"}
     _run(_overrides(data_dir, run, 6, *args), nproc=2, env=env)
     run_dir = data_dir / run
@@ -249,16 +258,23 @@ def _train(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subpro
 def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_dir):
     """A Slurm job stopped before its run's first checkpoint, requeued (the same command, the same
     job id, SLURM_RESTART_COUNT up by one) with save_overwrite: false: the run starts over, and its
-    store holds each step's rows once. (A run that saves no checkpoint at all leaves its folder as one
-    stopped before its first.) Run again in the same attempt, it is refused and left as it was."""
+    store holds each step's rows once. A run that saves no checkpoint at all records its end, and a
+    requeue after that end is refused, leaving it as it was (the stopped attempt is that run without
+    the record). Run again in the same attempt, it is refused and left as it was."""
     run_dir = data_dir / "run_requeue"
     args = _overrides(data_dir, "run_requeue", 2, "--save_interval_unsharded=null", "--try_load_latest_save=true",
                       "--save_overwrite=false")
     job = {"SLURM_JOB_ID": "4242"}
     assert _train(args + ["--seed=7"], env=job).returncode == 0      # (its config edited before the requeue)
     assert not list(run_dir.glob("step*")) and GradientStore.open(run_dir / "tda" / "store").num_rows == 2 * GBS
-    assert yaml.safe_load((run_dir / "tda.yaml").read_text())["attempt"] == {"scheduler": "slurm", "cluster": "",
-                                                                             "job": "4242", "restart": 0}
+    saved = yaml.safe_load((run_dir / "tda.yaml").read_text())
+    assert saved["attempt"] == {"scheduler": "slurm", "cluster": "", "job": "4242", "restart": 0}
+    assert saved["finished"] == {"step": 2}
+    store = (run_dir / "tda" / "store" / "store.json").read_bytes()
+    ended = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
+    assert ended.returncode != 0 and "a requeue does not start a finished run over" in ended.stderr + ended.stdout
+    assert (run_dir / "tda" / "store" / "store.json").read_bytes() == store
+    _as_stopped(run_dir)
     requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
     assert requeued.returncode == 0, requeued.stderr[-4000:]
     assert "starting it over" in requeued.stderr
@@ -288,6 +304,7 @@ def test_a_requeued_job_resumes_its_outside_load_path_again(data_dir):
     first = _train(args + ["--seed=7"], env=job)
     assert first.returncode == 0, first.stderr[-4000:]
     assert not list(run_dir.glob("step*"))
+    _as_stopped(run_dir)
     assert sorted(set(GradientStore.open(run_dir / "tda" / "store").read_all(layers=[]).steps.tolist())) == [3, 4]
     requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
     assert requeued.returncode == 0, requeued.stderr[-4000:]

@@ -245,6 +245,9 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_onl
         attempt(damaged)
         with pytest.raises(ConfigError, match="no checkpoint to resume"):
             start(**requeue)
+    (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": job, "finished": {"step": 2}}))
+    with pytest.raises(ConfigError, match="ended .*finished.* a requeue does not start a finished run over"):
+        start(**requeue)                                    # the run ended, without a checkpoint
     assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
     attempt(job)
     (run / "step2").mkdir()

@@ -209,13 +209,32 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
                 log.warning("the run is at step %d, its end (stop_at): nothing to train", trainer.global_step)
             elif not cfg.dry_run:
                 trainer.fit()
+            end_step = trainer.global_step
         dist.barrier()       # only on success: a rank that failed never reaches it, and the others must
         ok = True            # not wait here for it while its real error goes unreported
+        if dist.get_rank() == 0 and not cfg.dry_run:
+            _record_the_end(Path(cfg.save_folder), end_step)
     finally:
         import wandb
         if wandb.run is not None:
             wandb.finish(exit_code=0 if ok else 1)
         release_distributed()
+
+
+def _record_the_end(folder: Path, step: int) -> None:
+    """``finished: {step}`` in the run's tda.yaml (atomically): a requeue of its job after this end
+    must not take the run, checkpointed or not, for one stopped before its first checkpoint (see
+    :func:`_requeue_restarts`). A later start of the run (a resume) writes tda.yaml afresh."""
+    path = folder / TDA_YAML
+    try:
+        saved = yaml.safe_load(path.read_text()) or {}
+        saved["finished"] = {"step": int(step)}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(yaml.safe_dump(saved, sort_keys=False))
+        os.replace(tmp, path)
+    except (OSError, yaml.YAMLError, TypeError) as e:     # the run itself is done and saved: say so, go on
+        log.warning("could not record the run's end in %s (%s): a requeue of this job would take the run for one "
+                    "stopped before its first checkpoint", path, e)
 
 
 def _reached_the_end(trainer, cfg) -> bool:
@@ -421,9 +440,8 @@ def _requeue_restarts(cfg, folder: Path, load: Path | None) -> bool:
     see :func:`launch_attempt`). The start then goes on as with ``save_overwrite``: from step 0 the
     old outputs are removed, and from a ``load_path`` outside the folder (continued pretraining)
     the stored rows past its step are cut when it is restored. Any other start over a run with no
-    checkpoint is refused (another job's, or a rerun in the same attempt). A run that finished
-    without saving any checkpoint cannot be told from one stopped before its first: a requeue of
-    its job after it ended starts it over too."""
+    checkpoint is refused (another job's, or a rerun in the same attempt), and so is a requeue of a
+    run that ended (``finished`` in its tda.yaml) without saving any checkpoint."""
     if load is not None and _inside(load, folder):
         return False
     if any(_CHECKPOINT.match(p.name) or p.name in _LATEST for p in folder.iterdir()):
@@ -434,6 +452,11 @@ def _requeue_restarts(cfg, folder: Path, load: Path | None) -> bool:
         return False
     if not isinstance(saved, dict) or not requeued_from(saved.get("attempt")):
         return False
+    if saved.get("finished") is not None:
+        raise ConfigError(f"{folder} holds the run this Slurm job started, and that run ended ({TDA_YAML}: finished "
+                          f"{saved['finished']}) without saving a checkpoint: a requeue does not start a finished run "
+                          "over. Pass --save_overwrite to start it over (its TDA outputs are removed), or use another "
+                          "save_folder")
     log.warning("%s holds the run this Slurm job started before it was requeued, stopped before its first "
                 "checkpoint: starting it over%s", folder, f" from {cfg.load_path}" if load is not None else "")
     return True
