@@ -19,7 +19,7 @@ import torch.distributed as dist
 import yaml
 
 from ..config import ConfigError, TDAConfig
-from ..store.format import STORE_JSON
+from ..store.format import STORE_JSON, write_text_atomic
 from . import decided_on_rank0, launch_attempt, requeued_from
 from .olmo import BASIS_FILE, TDA_YAML, TDATrainer
 
@@ -229,9 +229,7 @@ def _record_the_end(folder: Path, step: int) -> None:
     try:
         saved = yaml.safe_load(path.read_text()) or {}
         saved["finished"] = {"step": int(step)}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(yaml.safe_dump(saved, sort_keys=False))
-        os.replace(tmp, path)
+        write_text_atomic(path, yaml.safe_dump(saved, sort_keys=False))
     except (OSError, yaml.YAMLError, TypeError) as e:     # the run itself is done and saved: say so, go on
         log.warning("could not record the run's end in %s (%s): a requeue of this job would take the run for one "
                     "stopped before its first checkpoint", path, e)

@@ -161,9 +161,17 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def write_json_atomic(path: Path, data: dict[str, Any], *, tmp_tag: str = "") -> None:
     """Write JSON to ``path`` via temp + fsync + rename + directory fsync; never a partial file."""
+    write_text_atomic(path, _json_text(data), tmp_tag=tmp_tag)
+
+
+def write_text_atomic(path: Path, text: str, *, tmp_tag: str = "") -> None:
+    """Write ``text`` to ``path`` via temp + fsync + rename + directory fsync; never a partial file."""
     tmp = path.with_name(f"{path.name}{tmp_tag}{TMP_SUFFIX}")
     try:
-        _write_json_file(tmp, data)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)
@@ -208,10 +216,13 @@ def publish_json_once(path: Path, data: dict[str, Any], *, tmp_tag: str = "") ->
 def _write_json_file(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON to ``path`` and fsync it (no rename: the callers choose how to publish)."""
     with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=False, allow_nan=False)
-        f.write("\n")
+        f.write(_json_text(data))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
 
 def _remove_quietly(path: Path) -> None:
