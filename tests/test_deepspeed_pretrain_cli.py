@@ -9,11 +9,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _warm import run_module
 from conftest import outside_slurm_env
 from olmo_tda.config import ConfigError
 
@@ -34,9 +34,8 @@ def run_script(tmp_path: Path, *args: str, timeout: int = 120, env: dict | None 
     """The script as the README runs it: ``python -m``, no launcher variables in the environment
     (``env``: more variables)."""
     plain = {k: v for k, v in outside_slurm_env().items() if k not in LAUNCH_ENV}
-    return subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", str(CONFIG), *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**plain, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=tmp_path)
+    return run_module("olmo_tda.integrations.deepspeed_pretrain", [str(CONFIG), *args], timeout=timeout,
+                      env={**plain, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=tmp_path)
 
 
 def error_line(stderr: str) -> str:

@@ -21,6 +21,7 @@ from olmo_tda.capture.eigenbasis import (EigenBasis, EigenBasisError, eigenbasis
                                          estimate_covariances, estimate_eigenbasis)
 from olmo_tda.capture.projection import make_projector
 from olmo_tda.config import ConfigError, TDAConfig
+from _warm import run_module
 from conftest import rel_err, tiny_olmo, token_losses
 
 
@@ -436,8 +437,6 @@ def test_eigen_ranks_better_than_random_at_same_k(tmp_path):
 # with capture.budget the widths are allocated there too, frozen in the file, and the queries follow them
 @pytest.mark.parametrize("budget", [0, 300])
 def test_olmo_run_estimates_basis_once_and_queries_use_it(tmp_path, budget):
-    import subprocess
-    import sys
 
     from olmo.config import TrainConfig
     from olmo.model import OLMo
@@ -453,15 +452,15 @@ def test_olmo_run_estimates_basis_once_and_queries_use_it(tmp_path, budget):
     run = tmp_path / "run"
 
     def train(steps: int, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(root / "configs" / "demo_tiny.yaml"),
+        cmd = ["train", str(root / "configs" / "demo_tiny.yaml"),
                f"--data.paths=[{tmp_path / 'train.npy'}]", f"--save_folder={run}", f"--max_duration={steps}",
                f"--stop_at={steps}", "--model.d_model=64", "--model.n_heads=4", f"--model.max_sequence_length={seq}",
                f"--global_train_batch_size={gbs}", "--device_train_microbatch_size=2", "--console_log_interval=1000",
                "--save_interval_unsharded=1", "--save_num_unsharded_checkpoints_to_keep=-1",
                "--tda.capture.proj_type=eigen", "--tda.capture.proj_dim=8", "--tda.capture.basis_batches=2",
                f"--tda.capture.budget={budget}", *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+        done = run_module("olmo_tda.cli", cmd, timeout=300, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
     train(2, "--no_pre_train_checkpoint=false")

@@ -20,6 +20,7 @@ import yaml
 from olmo_tda.demo.corpus import build_passages
 from olmo_tda.demo.data import write_memmap
 from olmo_tda.store import GradientStore
+from _warm import run_module
 from conftest import outside_slurm_env, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,13 +44,14 @@ def data_dir(tmp_path_factory):
 
 
 def _run(args: list[str], nproc: int = 1, timeout: int = 300, env=None) -> subprocess.CompletedProcess:
+    full_env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
+    train = ["train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
+        done = run_module("olmo_tda.cli", train, env=full_env, cwd=ROOT, timeout=timeout)
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
-    full_env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+               "-m", "olmo_tda.cli", *train]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done
 
@@ -250,9 +252,8 @@ def test_capture_stats_reach_wandb_offline(data_dir, tmp_path):
 
 def _train(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     """``olmo-tda train`` in one process, whatever its exit status."""
-    cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+    return run_module("olmo_tda.cli", ["train", str(ROOT / "configs" / "demo_tiny.yaml"), *args], timeout=300, cwd=cwd,
+                      env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
 
 
 def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_dir):

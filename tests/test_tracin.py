@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from _warm import run_module
 from conftest import rel_err
 from olmo_tda.config import TrajectoryConfig
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
@@ -36,9 +35,8 @@ def _train(tmp: Path, run: str, steps: int, *extra: str) -> Path:
             f"--model.max_sequence_length={SEQ}",
             f"--global_train_batch_size={GBS}", "--device_train_microbatch_size=4", "--console_log_interval=1000",
             f"--save_interval_unsharded={steps}", "--tda.store.dtype=float32", "--tda.trajectory.enabled=true", *extra]
-    cmd = [sys.executable, "-m", "olmo_tda.cli", "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    done = run_module("olmo_tda.cli", ["train", str(ROOT / "configs" / "demo_tiny.yaml"), *args], timeout=600,
+                      cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
     assert done.returncode == 0, done.stderr[-5000:]
     return tmp / run
 
