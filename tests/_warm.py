@@ -152,7 +152,6 @@ def _child(request: dict, devnull: int) -> None:
     """Run the request as ``python -m`` would and exit with its status; never returns."""
     import runpy
     import threading
-    import traceback
 
     code = 1
     try:
@@ -184,8 +183,8 @@ def _child(request: dict, devnull: int) -> None:
             else:
                 print(stop.code, file=sys.stderr)
                 code = 1
-        except BaseException:           # noqa: BLE001 - reported as the interpreter would
-            traceback.print_exc()
+        except BaseException:           # noqa: BLE001 - reported as the interpreter would: through
+            sys.excepthook(*sys.exc_info())     # the hook the run may have installed (OLMo does)
             code = 1
         threading._shutdown()           # as the interpreter does at exit: join non-daemon threads,
         atexit._run_exitfuncs()         # then run the atexit handlers
