@@ -1,21 +1,28 @@
 """``python -m MODULE ARGS`` for the tests, without paying each run's imports again.
 
-A one-process ``olmo-tda train`` of the tiny OLMo spends ~7 of its ~10 s importing OLMo (which pulls in
+A one-process ``olmo-tda train`` of the tiny OLMo spends ~7 of its ~9 s importing OLMo (which pulls in
 torchmetrics, transformers, datasets, scipy); the suite runs dozens of them. Here a long-lived process
 (one per preload set) imports those modules once, does no torch compute, and forks one child per run.
 The child is set up as a fresh ``python -m`` would be: its own environment, working directory, argv,
-stdin from /dev/null, stdout/stderr captured, the module executed anew as ``__main__`` (it is not in
-the preload), torch's thread count and numpy's global seed as a new process has them, and at the end
-non-daemon threads joined and atexit handlers run before the exit status is returned.
+stdin from /dev/null, stdout/stderr captured, the module executed anew as ``__main__`` (it is not in the preload), torch's thread
+count and the global seeds of torch and numpy as a new process has them. It then ends as an interpreter
+does: its exit status, or its uncaught exception, leaves through the interpreter's own shutdown (threads
+joined, atexit handlers, objects finalized).
 
-Variables read while importing (``PYTHONPATH`` and the like) cannot differ between the preloaded process
-and a run: such a run, and every run when ``OLMO_TDA_TESTS_COLD=1``, goes to a real subprocess instead.
+What a fork cannot give a run: a string hash seed of its own (every warm run shares the preloaded
+process's), what the preloaded imports print (a warning DeepSpeed prints when imported is in the
+preloaded process's log, not in any run's output), and variables read while importing (``PYTHONPATH``, thread counts of the math libraries,
+...). A run whose start-up variables differ from the preloaded process's, every run where torch is a
+CUDA build (a fork after CUDA was queried cannot use it), and every run when ``OLMO_TDA_TESTS_COLD=1``
+goes to a real subprocess instead.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
+import locale
 import os
 import select
 import shutil
@@ -33,23 +40,40 @@ PRELOAD = {
     "olmo_tda.integrations.deepspeed_pretrain": ("deepspeed", "olmo_tda.integrations.deepspeed",
                                                  "olmo_tda.integrations.olmo"),
 }
-# Read when the preloaded modules are imported: a run that sets them differently is run cold.
-_STARTUP_VARS = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE",
-                 "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES", "DS_BUILD_OPS")
+# Read by the interpreter or a library while the preloaded modules are imported: a run that sets any
+# of these differently from the preloaded process is run cold.
+_STARTUP_PREFIXES = ("PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH_", "CUDA_", "DS_", "DEEPSPEED_",
+                     "HF_", "TRANSFORMERS_")
 
 
 def run_module(module: str, argv: list[str], *, env: dict[str, str], cwd: Path | str,
                timeout: float) -> subprocess.CompletedProcess:
     """As ``subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
     timeout=timeout, env=env, cwd=cwd)`` (which it is, for a module without a preload set, for a run
-    whose start-up variables differ from the preloaded process's, or with ``OLMO_TDA_TESTS_COLD=1``)."""
+    whose start-up variables differ from the preloaded process's, with a CUDA build of torch, or with
+    ``OLMO_TDA_TESTS_COLD=1``)."""
+    import torch
+
     cmd = [sys.executable, "-m", module, *argv]
-    if module not in PRELOAD or os.environ.get("OLMO_TDA_TESTS_COLD") == "1":
+    if module not in PRELOAD or os.environ.get("OLMO_TDA_TESTS_COLD") == "1" or torch.version.cuda is not None:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     zygote = _zygote(module)
-    if any(env.get(k) != zygote.env.get(k) for k in _STARTUP_VARS):
+    if _startup_vars(env) != _startup_vars(zygote.env):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    return zygote.run(cmd, module, argv, env=env, cwd=cwd, timeout=timeout)
+    try:
+        return zygote.run(cmd, module, argv, env=env, cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise
+    except BaseException:
+        # left mid-run (an interrupt, a broken reply): the replies that follow would belong to this
+        # run, so this preloaded process is not used again
+        zygote.close(kill=True)
+        _ZYGOTES.pop(module, None)
+        raise
+
+
+def _startup_vars(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_STARTUP_PREFIXES)}
 
 
 class _Zygote:
@@ -58,14 +82,16 @@ class _Zygote:
         self.env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline")
         self.tmp = Path(tempfile.mkdtemp(prefix="olmo_tda_warm_"))
         self.log = open(self.tmp / "zygote.log", "w+b")     # noqa: SIM115 - lives as long as the process
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), *preload], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, env=self.env, cwd=HERE)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), *preload],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=self.env,
+                                     cwd=HERE)
+        self.serial = itertools.count()
         ready = self._reply(timeout=300)
         if ready.get("ready") is not True:
             raise RuntimeError(f"the preloading process did not start: {ready}")
 
-    def _reply(self, timeout: float | None) -> dict:
-        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+    def _reply(self, timeout: float) -> dict:
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
             return {"timeout": True}
         line = self.proc.stdout.readline()
         if not line:
@@ -74,22 +100,40 @@ class _Zygote:
                                f"{self.log.read().decode(errors='replace')[-4000:]}")
         return json.loads(line)
 
+    def _expect(self, serial: int, key: str, timeout: float) -> dict:
+        reply = self._reply(timeout)
+        if not reply.get("timeout") and (reply.get("serial") != serial or key not in reply):
+            raise RuntimeError(f"the preloading process answered {reply}, not the {key} of run {serial}")
+        return reply
+
     def run(self, cmd, module, argv, *, env, cwd, timeout) -> subprocess.CompletedProcess:
-        out, err = self.tmp / "stdout", self.tmp / "stderr"
-        request = {"module": module, "argv": list(argv), "env": dict(env), "cwd": str(cwd),
+        serial = next(self.serial)
+        out, err = self.tmp / f"{serial}.out", self.tmp / f"{serial}.err"
+        request = {"serial": serial, "module": module, "argv": list(argv), "env": dict(env), "cwd": str(cwd),
                    "stdout": str(out), "stderr": str(err)}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        pid = self._reply(timeout=60)["pid"]
-        done = self._reply(timeout=timeout)
+        started = self._expect(serial, "pid", timeout=60)
+        if started.get("timeout"):
+            raise RuntimeError("the preloading process did not start the run within 60 s")
+        done = self._expect(serial, "rc", timeout=timeout)
         if done.get("timeout"):
-            os.kill(pid, signal.SIGKILL)
-            self._reply(timeout=60)
+            try:
+                os.kill(started["pid"], signal.SIGKILL)
+            except ProcessLookupError:          # it ended meanwhile
+                pass
+            if self._expect(serial, "rc", timeout=60).get("timeout"):
+                raise RuntimeError(f"run {serial} was killed after its timeout but never reaped")
             raise subprocess.TimeoutExpired(cmd, timeout, output=_text(out), stderr=_text(err))
         return subprocess.CompletedProcess(cmd, done["rc"], _text(out), _text(err))
 
-    def close(self) -> None:
-        self.proc.stdin.close()
+    def close(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -99,7 +143,11 @@ class _Zygote:
 
 
 def _text(path: Path) -> str:
-    return path.read_bytes().decode(errors="replace") if path.exists() else ""
+    """A run's output as ``subprocess.run(text=True)`` gives it: decoded as the locale says, universal
+    newlines."""
+    data = path.read_bytes() if path.exists() else b""
+    path.unlink(missing_ok=True)
+    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
 
 
 _ZYGOTES: dict[str, _Zygote] = {}
@@ -125,9 +173,12 @@ def _serve(preload: list[str]) -> None:
 
     requests = os.fdopen(os.dup(0), "rb")
     replies = os.fdopen(os.dup(1), "w")
+    log = os.dup(2)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
-    os.dup2(2, 1)                       # this process's own prints go to its log
+    os.close(devnull)
+    os.dup2(log, 1)                     # this process's own prints (its imports') go to its log
+    os.close(log)
     for name in preload:
         importlib.import_module(name)
     replies.write(json.dumps({"ready": True}) + "\n")
@@ -140,60 +191,44 @@ def _serve(preload: list[str]) -> None:
         if pid == 0:
             requests.close()
             replies.close()
-            _child(request, devnull)
-        replies.write(json.dumps({"pid": pid}) + "\n")
+            _child(request)             # leaves by SystemExit or the run's own exception, never back here
+        serial = request["serial"]
+        replies.write(json.dumps({"serial": serial, "pid": pid}) + "\n")
         replies.flush()
         _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.write(json.dumps({"serial": serial, "rc": os.waitstatus_to_exitcode(status)}) + "\n")
         replies.flush()
 
 
-def _child(request: dict, devnull: int) -> None:
-    """Run the request as ``python -m`` would and exit with its status; never returns."""
+def _redirect(out: Path, err: Path) -> None:
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+
+
+def _child(request: dict) -> None:
+    """Run the request as ``python -m`` would. Its end is the interpreter's: the SystemExit raised here
+    (or the run's own, or its uncaught exception) propagates out of the serving loop, so the status,
+    the report of an exception, thread joins, atexit handlers and finalizers are Python's own."""
     import runpy
-    import threading
 
-    code = 1
-    try:
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(opened, fd)
-            os.close(opened)
-        os.close(devnull)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        import numpy as np
-        import torch
+    _redirect(Path(request["stdout"]), Path(request["stderr"]))
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    import numpy as np
+    import torch
 
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
-        np.random.seed()                # a new process seeds numpy's global state afresh
-        module = request["module"]
-        sys.modules.pop(module, None)
-        sys.argv = [module, *request["argv"]]
-        sys.path[0] = os.getcwd()       # as `python -m` puts the working directory first
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as stop:
-            if stop.code is None:
-                code = 0
-            elif isinstance(stop.code, int):
-                code = stop.code & 0xFF
-            else:
-                print(stop.code, file=sys.stderr)
-                code = 1
-        except BaseException:           # noqa: BLE001 - reported as the interpreter would: through
-            sys.excepthook(*sys.exc_info())     # the hook the run may have installed (OLMo does)
-            code = 1
-        threading._shutdown()           # as the interpreter does at exit: join non-daemon threads,
-        atexit._run_exitfuncs()         # then run the atexit handlers
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    torch.seed()                        # a new process seeds torch's and numpy's global generators afresh
+    np.random.seed()
+    module = request["module"]
+    sys.modules.pop(module, None)
+    sys.argv = [module, *request["argv"]]
+    sys.path[0] = os.getcwd()           # as `python -m` puts the working directory first
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,16 @@ def test_a_warm_run_ends_as_a_cold_one(tmp_path, argv):
 
 def test_a_warm_run_reads_its_own_working_directory(tmp_path):
     """Through the DeepSpeed entry's preloaded process: a relative config path is found in the run's
-    working directory, and the script's usage error is its exit status."""
+    working directory, the script's usage error is its exit status, and nothing the preloaded process
+    printed (importing DeepSpeed warns) leaks into a run's output."""
     (tmp_path / "bad.yaml").write_text("stepz: 3\n")
-    done = run_module("olmo_tda.integrations.deepspeed_pretrain", ["bad.yaml"], env=_env(), cwd=tmp_path, timeout=120)
-    assert done.returncode == 2 and "unknown top-level keys ['stepz']" in done.stderr
+    cold = subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", "bad.yaml"],
+                          capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)
+    for _ in range(2):
+        done = run_module("olmo_tda.integrations.deepspeed_pretrain", ["bad.yaml"], env=_env(), cwd=tmp_path,
+                          timeout=120)
+        assert done.returncode == cold.returncode == 2 and "unknown top-level keys ['stepz']" in done.stderr
+        assert (done.stdout, done.stderr) == (cold.stdout, cold.stderr)
 
 
 def test_a_warm_run_past_its_timeout_is_killed_and_the_next_run_is_served(tmp_path):
@@ -59,6 +65,30 @@ def test_a_warm_run_past_its_timeout_is_killed_and_the_next_run_is_served(tmp_pa
         run_module("olmo_tda.cli", argv, env=_env(), cwd=tmp_path, timeout=3)
     after = run_module("olmo_tda.cli", ["inspect", "no_such_store"], env=_env(), cwd=tmp_path, timeout=120)
     assert after.returncode != 0 and "no_such_store" in after.stderr
+
+
+def test_a_run_left_mid_way_does_not_hand_its_reply_to_the_next(tmp_path):
+    """An interrupt while a warm run is in flight (pytest-timeout, Ctrl-C): the next run gets its own
+    result, not the interrupted run's."""
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    slow = ["train", str(ROOT / "configs" / "demo_tiny.yaml"), "--tda.capture.proj_dimm=8"]
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Interrupted):
+            run_module("olmo_tda.cli", slow, env=_env(), cwd=tmp_path, timeout=120)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    after = run_module("olmo_tda.cli", ["inspect", "no_such_store"], env=_env(), cwd=tmp_path, timeout=120)
+    assert after.returncode != 0 and "no_such_store" in after.stderr and "proj_dimm" not in after.stderr
 
 
 def test_startup_variables_that_differ_run_cold(tmp_path):
