@@ -278,8 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    from .integrations import quiet_olmo_warnings
+
+    quiet_olmo_warnings()
+    if args.command == "train":                 # OLMo's own console, as its train script sets it up
+        from olmo.util import prepare_cli_environment
+
+        prepare_cli_environment()
+        if args.verbose:
+            logging.getLogger().setLevel(logging.DEBUG)
+    else:
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                            format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("WANDB_MODE", "offline")
     try:
         return args.func(args)

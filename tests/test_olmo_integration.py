@@ -236,10 +236,17 @@ def test_disabled_is_plain_olmo(data_dir):
 
 
 def test_capture_stats_reach_wandb_offline(data_dir, tmp_path):
-    """tda/* step metrics go through OLMo's own W&B logging (offline here: no network)."""
+    """tda/* step metrics go through OLMo's own W&B logging (offline here: no network) and its console
+    (set up as OLMo's train script does), not buried under warnings nobody can act on."""
     run_dir = data_dir / "run_wandb"
-    _run(_overrides(data_dir, "run_wandb", 3, "--wandb.project=olmo-tda-test", "--wandb.log_interval=1",
-                    "--save_interval_unsharded=null"), env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    done = _run(_overrides(data_dir, "run_wandb", 3, "--wandb.project=olmo-tda-test", "--wandb.log_interval=1",
+                           "--save_interval_unsharded=null", "--console_log_interval=1"),
+                env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    console = done.stdout
+    assert all(f"[step={s}/3,epoch=0]" in console for s in (1, 2, 3)), console[-3000:]
+    assert console.count("tda/rows_captured=") == 3 and "tda/examples_per_s=" in console
+    assert "register_new_resolver" not in done.stdout + done.stderr
+    assert "Disabling autocast" not in done.stdout + done.stderr
     files = list((run_dir / "wandb").rglob("*.wandb"))
     assert files, "no offline W&B run was written"
     blob = files[0].read_bytes()
@@ -278,7 +285,7 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_di
     _as_stopped(run_dir)
     requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
     assert requeued.returncode == 0, requeued.stderr[-4000:]
-    assert "starting it over" in requeued.stderr
+    assert "starting it over" in requeued.stdout + requeued.stderr
     block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
     for step in (1, 2):
         assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
@@ -309,7 +316,7 @@ def test_a_requeued_job_resumes_its_outside_load_path_again(data_dir):
     assert sorted(set(GradientStore.open(run_dir / "tda" / "store").read_all(layers=[]).steps.tolist())) == [3, 4]
     requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
     assert requeued.returncode == 0, requeued.stderr[-4000:]
-    assert f"starting it over from {ckpt}" in requeued.stderr
+    assert f"starting it over from {ckpt}" in requeued.stdout + requeued.stderr
     block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
     assert len(block.ids) == 2 * GBS and sorted(set(block.steps.tolist())) == [3, 4]
     for step in (3, 4):

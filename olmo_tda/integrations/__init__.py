@@ -12,8 +12,20 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping
 
-__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "launch_attempt", "requeued_from",
-           "resume_state", "sum_over_ranks"]
+__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "launch_attempt", "quiet_olmo_warnings",
+           "requeued_from", "resume_state", "sum_over_ranks"]
+
+
+def quiet_olmo_warnings() -> None:
+    """Silence the warnings every OLMo 0.6.0 run prints that no user can act on, so a run's own output is
+    not buried under them: omegaconf >= 2.4 deprecating ``register_new_resolver`` (three, when
+    ``olmo.config`` is imported) and torch noting that OLMo's ``autocast("cuda")`` is off on a machine
+    without CUDA. Our entry points call this before they import OLMo."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated", category=UserWarning)
+    warnings.filterwarnings("ignore", message="CUDA is not available or torch_xla is imported. Disabling autocast",
+                            category=UserWarning)
 
 
 def _group() -> tuple[bool, int, int]:

@@ -42,7 +42,7 @@ from ..config import ConfigError, ProjectionType, TDAConfig, to_plain
 from ..store.errors import StoreError
 from ..store.format import write_json_atomic
 from ..training.selection import DataOrder
-from . import decided_on_rank0, launch_attempt, requeued_from
+from . import decided_on_rank0, launch_attempt, quiet_olmo_warnings, requeued_from
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
 
@@ -579,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="--a.b=value overrides")
     args, unknown = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_olmo_warnings()
     try:
         summary = train(load_config(args.config, args.overrides + unknown))
     except (ConfigError, StoreError) as e:    # a store another config wrote, a corrupt or full one
