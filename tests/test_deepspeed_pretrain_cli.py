@@ -71,6 +71,12 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
     line = error_line(untracked.stderr)
     assert f"run_dir: cannot resume from the checkpoint in {run / 'checkpoints'}: RuntimeError: " in line
     assert "size mismatch" in line and "give a new run_dir to start over" in line
+    # another ZeRO stage: DeepSpeed's own failure is an empty AssertionError; refused before it, naming both
+    zero3 = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=3", *SMALL,
+                       "--deepspeed.zero_optimization.stage=3")
+    assert zero3.returncode == 2
+    assert (f"deepspeed.zero_optimization.stage: 3, but the checkpoint in {run / 'checkpoints'} was written at ZeRO "
+            "stage 2") in error_line(zero3.stderr)
     # the refused runs left the files of the run they refused to continue as they were
     assert {name: (run / name).read_bytes() for name in written} == written
     # without its checkpoint the run cannot be resumed, and its store is not appended to by a new one
@@ -289,3 +295,23 @@ def test_deepspeed_pretrain_trajectory_beside_a_moved_store_is_found_by_queries(
     assert [c.step for c in run.checkpoints()] == [0, 1, 2]
     answers = run.attribute(["def f(x): return x"], method="tracin-inrun", top_k=3)
     assert len(answers[0]["results"]) == 3
+
+
+def test_a_resume_under_another_zero_stage_or_rank_count_is_refused_before_deepspeed_loads(tmp_path):
+    """run.json records the ZeRO stage and rank count the checkpoints were written with: a resume that
+    differs is refused naming both (DeepSpeed itself fails with an empty AssertionError on another
+    stage, and on another rank count of a partitioned optimizer). Stage 0 holds whole optimizer state,
+    and a run.json from before the record says nothing: both let DeepSpeed try."""
+    ckpt = tmp_path / "checkpoints"
+    check = script._check_same_zero
+    check(tmp_path, ckpt, 3, 2)                                     # no run.json
+    (tmp_path / script.RUN_JSON).write_text(json.dumps({"kind": "deepspeed_pretrain"}))
+    check(tmp_path, ckpt, 3, 2)                                     # an older run.json
+    (tmp_path / script.RUN_JSON).write_text(json.dumps({"zero_stage": 2, "world_size": 4}))
+    check(tmp_path, ckpt, 2, 4)
+    with pytest.raises(ConfigError, match=r"stage: 1, but the checkpoint in .* was written at ZeRO stage 2"):
+        check(tmp_path, ckpt, 1, 4)
+    with pytest.raises(ConfigError, match=r"written by 4 rank\(s\) and this run has 2: .* ZeRO-2 .* resume with 4"):
+        check(tmp_path, ckpt, 2, 2)
+    (tmp_path / script.RUN_JSON).write_text(json.dumps({"zero_stage": 0, "world_size": 4}))
+    check(tmp_path, ckpt, 0, 2)

@@ -313,6 +313,7 @@ def train(cfg: dict[str, Any]) -> dict[str, Any]:
 def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
     from olmo.config import ModelConfig
 
     from .deepspeed import attach, estimate_basis
@@ -355,11 +356,13 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     ckpt = run_dir / "checkpoints"
     if (ckpt / "latest").exists():
         try:
+            # DeepSpeed fails on a checkpoint of another ZeRO stage with an empty AssertionError
+            decided_on_rank0(lambda: _check_same_zero(run_dir, ckpt, stage, world), catch=ConfigError)
             engine.load_checkpoint(str(ckpt))      # tda resumes its store from the checkpoint too
         except (ConfigError, StoreError):
             session.close()                          # tda's own refusals name their remedy
             raise
-        except (RuntimeError, KeyError, ValueError, OSError) as e:
+        except (RuntimeError, KeyError, ValueError, OSError, AssertionError, ZeRORuntimeException) as e:
             session.close()
             raise ConfigError(f"run_dir: cannot resume from the checkpoint in {ckpt}: {type(e).__name__}: "
                               f"{_one_line(e)[:400]} -- run with the config that wrote it ({run_dir / 'config.json'}), "
@@ -397,7 +400,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         write_json_atomic(run_dir / RUN_JSON, {
             "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
-            "weights": WEIGHTS_FILE, "attempt": launch_attempt()})     # the job: its requeue may start over
+            "weights": WEIGHTS_FILE, "attempt": launch_attempt(),     # the job: its requeue may start over
+            "zero_stage": stage, "world_size": world})                # what its checkpoints need to load
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     steps, save_every = int(cfg["steps"]), int(cfg.get("save_every") or 0)
@@ -477,6 +481,27 @@ def _basis_batches(engine: Any, data: "TokenData", order: DataOrder, num: int) -
     micro, first = engine.train_micro_batch_size_per_gpu(), dist.get_rank() * num
     for j in range(num):
         yield {k: v.to(engine.device) for k, v in data.batch(order.ids((first + j) * micro, micro)).items()}
+
+
+def _check_same_zero(run_dir: Path, ckpt: Path, stage: int, world: int) -> None:
+    """Refuse, naming both, a resume under another ZeRO stage, or (ZeRO 1-3: the optimizer state is
+    partitioned over the ranks) another number of ranks, than the run's checkpoints were written with
+    (``run.json`` records them; a run.json without them, written before they were recorded, says nothing)."""
+    try:
+        saved = json.loads((run_dir / RUN_JSON).read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict):
+        return
+    then_stage, then_world = saved.get("zero_stage"), saved.get("world_size")
+    if isinstance(then_stage, int) and then_stage != stage:
+        raise ConfigError(f"deepspeed.zero_optimization.stage: {stage}, but the checkpoint in {ckpt} was written at "
+                          f"ZeRO stage {then_stage}, which DeepSpeed cannot load under another stage: resume with "
+                          f"stage {then_stage}, or give a new run_dir to start over")
+    if stage > 0 and isinstance(then_world, int) and then_world != world:
+        raise ConfigError(f"the checkpoint in {ckpt} was written by {then_world} rank(s) and this run has {world}: "
+                          f"DeepSpeed cannot repartition ZeRO-{stage} optimizer state over another number of ranks; "
+                          f"resume with {then_world} rank(s), or give a new run_dir to start over")
 
 
 def _requeued(run_dir: Path) -> bool:
