@@ -4,6 +4,8 @@ Capture compact per-example gradients inside an ordinary training step, stream t
 HDF5 store, and ask which training examples made the model do something::
 
     from olmo_tda import GradientCapture, CaptureConfig, GradientStore, StoreConfig, attribute
+
+and, for a run of ``olmo-tda train`` or of the DeepSpeed example, ``from olmo_tda import open_run``.
 """
 
 __version__ = "0.1.0"
@@ -14,4 +16,17 @@ from .methods import AttributionResult, attribute
 from .store import GradientRecord, GradientStore
 
 __all__ = ["__version__", "GradientCapture", "Recording", "CaptureError", "CaptureConfig", "StoreConfig",
-           "TDAConfig", "ConfigError", "GradientStore", "GradientRecord", "attribute", "AttributionResult"]
+           "TDAConfig", "ConfigError", "GradientStore", "GradientRecord", "attribute", "AttributionResult",
+           "OLMoRun", "DeepSpeedRun", "open_run"]
+
+_RUNS = ("OLMoRun", "DeepSpeedRun", "open_run")
+
+
+def __getattr__(name: str):
+    """The run readers (``from olmo_tda import OLMoRun``), imported on first use: they import OLMo,
+    which ``import olmo_tda`` alone does not."""
+    if name in _RUNS:
+        from .integrations import olmo_query
+
+        return getattr(olmo_query, name)
+    raise AttributeError(f"module 'olmo_tda' has no attribute {name!r}")

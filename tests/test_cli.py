@@ -64,6 +64,12 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
         if method == "tracin":   # in-run TracIn pairs each step with a checkpoint up to 8 steps away here
             assert results[0]["index"] == passage["index"], results[0]
     assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
+    # from Python, as the README says: the package's OLMoRun opens the demo's folder as the CLI does
+    import olmo_tda
+
+    scores, ids = olmo_tda.OLMoRun(out).tracin([passage["text"]])
+    assert olmo_tda.OLMoRun(out).dir == olmo_tda.open_run(out).dir == out / "run"
+    assert int(ids[int(scores[0].argmax())]) == passage["index"]
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "lorif",
                  "--rank", "16", "--json", str(tmp_path / "influence.json"),
                  "--html", str(tmp_path / "infl.html")]) == 0
@@ -263,3 +269,15 @@ def test_demo_into_a_folder_named_with_yaml_syntax_and_its_queries_uncut(tmp_pat
     free = [a for a in summary.results if a["kind"] == "free-text query"]
     assert [a["query"] for a in free] == FREE_QUERIES and not any("scored_tokens" in a for a in free)
     assert "max_sequence_length) are scored" not in caplog.text
+
+
+def test_the_run_readers_come_from_the_package_without_importing_olmo_before_use():
+    """``from olmo_tda import OLMoRun`` (the README's spelling) works, and ``import olmo_tda`` alone
+    does not import OLMo (capture in a plain torch loop never needs it)."""
+    code = ("import sys, olmo_tda; assert 'olmo' not in sys.modules, 'olmo imported'; "
+            "from olmo_tda import OLMoRun, DeepSpeedRun, open_run; assert 'olmo' in sys.modules; "
+            "assert issubclass(DeepSpeedRun, OLMoRun) and callable(open_run)\n"
+            "try:\n    olmo_tda.NoSuchThing\nexcept AttributeError as e:\n    print(e)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "module 'olmo_tda' has no attribute 'NoSuchThing'"

@@ -50,7 +50,7 @@ class OLMoRun:
         from olmo.config import TrainConfig
         from olmo.model import OLMo
 
-        self.dir = Path(run_dir)
+        self.dir = _demo_run(Path(run_dir))
         for needed in ("config.yaml", TDA_YAML):
             if not (self.dir / needed).is_file():
                 raise FileNotFoundError(f"{self.dir} is not an olmo-tda run directory (no {needed})")
@@ -378,5 +378,12 @@ def open_run(run_dir: str | Path) -> OLMoRun:
     """An OLMo run (``olmo-tda train``) or a DeepSpeed example run, whichever ``run_dir`` holds."""
     from .deepspeed_pretrain import RUN_JSON
 
-    run_dir = Path(run_dir)
+    run_dir = _demo_run(Path(run_dir))
     return DeepSpeedRun(run_dir) if (run_dir / RUN_JSON).is_file() else OLMoRun(run_dir)
+
+
+def _demo_run(path: Path) -> Path:
+    """The run in ``olmo-tda demo``'s output folder (``<out>/run``), as the CLI takes it; else ``path``."""
+    if not (path / "config.yaml").exists() and (path / "run" / "config.yaml").exists():
+        return path / "run"
+    return path
