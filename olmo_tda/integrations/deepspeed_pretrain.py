@@ -487,12 +487,7 @@ def _check_same_zero(run_dir: Path, ckpt: Path, stage: int, world: int) -> None:
     """Refuse, naming both, a resume under another ZeRO stage, or (ZeRO 1-3: the optimizer state is
     partitioned over the ranks) another number of ranks, than the run's checkpoints were written with
     (``run.json`` records them; a run.json without them, written before they were recorded, says nothing)."""
-    try:
-        saved = json.loads((run_dir / RUN_JSON).read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(saved, dict):
-        return
+    saved = _saved_run(run_dir)
     then_stage, then_world = saved.get("zero_stage"), saved.get("world_size")
     if isinstance(then_stage, int) and then_stage != stage:
         raise ConfigError(f"deepspeed.zero_optimization.stage: {stage}, but the checkpoint in {ckpt} was written at "
@@ -511,11 +506,16 @@ def _requeued(run_dir: Path) -> bool:
     Unreadable: not one."""
     if (run_dir / "summary.json").exists():
         return False
+    return requeued_from(_saved_run(run_dir).get("attempt"))
+
+
+def _saved_run(run_dir: Path) -> dict[str, Any]:
+    """The run's ``run.json``; unreadable or not an object: empty."""
     try:
         saved = json.loads((run_dir / RUN_JSON).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and requeued_from(saved.get("attempt"))
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def _check_deepspeed_config(ds_config: dict[str, Any]) -> int:
