@@ -2,8 +2,9 @@
 
 A long run writes many shards: at the default ``flush_every=32``, 100k steps make ~3,100 per rank.
 Every open lists ``shards/`` and stats each shard against its rank's manifest; a writer's open does
-that too and builds its duplicate index; and every flush rewrites the rank's whole manifest (one
-JSON entry per shard, fsynced), so a flush's cost grows with the shards already written. This
+that too and builds its duplicate index; and every flush rewrites the rank's manifest (fsynced),
+which lists only the shards past the last sealed block of 256 (older ones are in segment files under
+``index/``, written once), so a flush's cost should not grow with the shards already written. This
 script grows one single-rank store to each size in ``--sizes`` (tiny shards: one step of 2 rows, 2
 layers at k=4, so the shard count, not the bytes, is what is measured) and at each size times,
 warm, medians of ``--rounds``:
@@ -12,7 +13,9 @@ warm, medians of ``--rounds``:
 - ``writer``: ``GradientStore.create(path, ...)`` on the existing store, then ``close()`` (what a
   resumed rank does before its first step);
 - ``flush``: one more record appended and flushed (a shard written and the manifest rewritten);
-- ``manifest``: the manifest's size on disk.
+- ``manifest``: the manifest's size on disk, and ``index``: its segment files' (``index/``);
+- ``grow``: seconds per shard of growing the store to that size (appending and flushing one step at
+  a time from the previous size).
 
 The headline is the cost per 1,000 shards of each, from the largest and smallest sizes.
 
@@ -94,24 +97,32 @@ def main(argv: list[str] | None = None) -> dict:
         path, step, t_start = Path(tmp) / "store", 0, time.perf_counter()
         for size in sizes:
             have = len(GradientStore.open(path).shards) if path.exists() else 0
+            grow_s = None                                      # already that size: not grown here
             if size > have:
+                t0 = time.perf_counter()
                 grow(path, step, step + size - have)
+                grow_s = (time.perf_counter() - t0) / (size - have)
                 step += size - have
             med, step = measure(path, step, args.rounds)      # adds a shard a round
             shards = len(GradientStore.open(path).shards)
             manifest = (path / "manifest-r00000.json").stat().st_size
+            index = sum(f.stat().st_size for f in (path / "index").glob("*.json")) if (path / "index").is_dir() else 0
             rows.append({"shards": shards, **{f"{k}_ms": 1e3 * v for k, v in med.items()},
-                         "manifest_kb": manifest / 1024})
+                         "manifest_kb": manifest / 1024, "index_kb": index / 1024,
+                         "grow_ms_per_shard": None if grow_s is None else 1e3 * grow_s})
             print(f"[store_open] {shards} shards: open {1e3 * med['open']:.1f} ms, writer {1e3 * med['writer']:.1f} ms,"
-                  f" flush {1e3 * med['flush']:.1f} ms, manifest {manifest / 1024:.0f} KB", file=sys.stderr)
+                  f" flush {1e3 * med['flush']:.1f} ms, manifest {manifest / 1024:.0f} KB, index {index / 1024:.0f} KB,"
+                  f" grown at {rows[-1]['grow_ms_per_shard'] or 0:.1f} ms a shard", file=sys.stderr)
         elapsed = time.perf_counter() - t_start
     lo, hi = rows[0], rows[-1]
     span = (hi["shards"] - lo["shards"]) / 1000          # > 0: checked on the sizes above
     per_k = {k: (hi[f"{k}_ms"] - lo[f"{k}_ms"]) / span for k in ("open", "writer", "flush")}
-    print(f"{'shards':>7} {'open ms':>8} {'writer ms':>10} {'flush ms':>9} {'manifest KB':>12}")
+    print(f"{'shards':>7} {'open ms':>8} {'writer ms':>10} {'flush ms':>9} {'manifest KB':>12} {'index KB':>9} "
+          f"{'grow ms/shard':>14}")
     for r in rows:
         print(f"{r['shards']:7d} {r['open_ms']:8.1f} {r['writer_ms']:10.1f} {r['flush_ms']:9.1f} "
-              f"{r['manifest_kb']:12.0f}")
+              f"{r['manifest_kb']:12.0f} {r['index_kb']:9.0f} "
+              f"{'-' if r['grow_ms_per_shard'] is None else format(r['grow_ms_per_shard'], '.1f'):>14}")
     print(f"per 1000 shards: open {per_k['open']:+.1f} ms, writer {per_k['writer']:+.1f} ms, "
           f"flush {per_k['flush']:+.2f} ms")
     result = {"benchmark": "store_open", "rows": rows, "open_ms_per_1000_shards": per_k["open"],

@@ -76,15 +76,20 @@ def _kill_self() -> None:
 
 def task_append_loop(path: str, start_step: int, flush_every: int, dtype: str = "float32",
                      max_steps: int | None = None, crash_at: str | None = None, crash_after: int = 1,
-                     step_sleep: float = 0.0) -> None:
+                     step_sleep: float = 0.0, seal: int | None = None) -> None:
     """Append steps from ``start_step`` on until killed (or ``max_steps``, then close).
 
     ``crash_at`` SIGKILLs this process deterministically at a point of the write protocol, on the
     ``crash_after``-th time it is reached: ``"before_rename"`` (temp shard written and fsynced),
-    ``"before_manifest"`` (shard renamed, manifest not yet updated).
+    ``"before_manifest"`` (shard renamed, manifest not yet updated), ``"after_segment"`` (a block of
+    the index sealed into its segment file, the manifest naming it not yet written). ``seal``: the
+    shards per sealed segment (``manifest.SEAL_SHARDS``).
     """
     from olmo_tda.config import StoreConfig
-    from olmo_tda.store import GradientStore, format as fmt, writer as wmod
+    from olmo_tda.store import GradientStore, format as fmt, manifest as mmod, writer as wmod
+
+    if seal is not None:
+        mmod.SEAL_SHARDS = seal
 
     calls = {"n": 0}
 
@@ -108,6 +113,15 @@ def task_append_loop(path: str, start_step: int, flush_every: int, dtype: str = 
                 _kill_self()
             real_write_manifest(root, state)
         wmod.write_manifest = write_manifest
+    elif crash_at == "after_segment":
+        real_write_segment = mmod._write_segment
+
+        def write_segment(*args):
+            segment = real_write_segment(*args)
+            if reached():
+                _kill_self()
+            return segment
+        mmod._write_segment = write_segment
 
     store = GradientStore.create(path, META, StoreConfig(flush_every=flush_every, dtype=dtype, queue_size=2))
     _event(event="ready")

@@ -19,6 +19,7 @@ import yaml
 from olmo_tda.config import ConfigError, StoreConfig, TDAConfig
 from olmo_tda.integrations import olmo_train
 from olmo_tda.store import GradientRecord, GradientStore
+from olmo_tda.store import manifest as manifest_module
 from olmo_tda.training.trajectory import Trajectory
 
 
@@ -67,6 +68,19 @@ def test_a_fresh_start_removes_the_old_runs_checkpoints_and_tda_outputs_only(tmp
     run = _old_run(tmp_path / "run")
     olmo_train._choose_start(_cfg(run), TDAConfig())
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "steps_notes.txt", "tda", "tda.yaml"]
+    assert list((run / "tda").iterdir()) == []
+
+
+def test_a_fresh_start_removes_an_old_store_whose_index_has_sealed_segments(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest_module, "SEAL_SHARDS", 2)        # a long run's store: index/ holds blocks
+    run = _old_run(tmp_path / "run")
+    meta = {"capture": {}, "projector_hash": "h", "layers": [{"name": "a", "shape": [2, 2], "projector": {}}]}
+    with GradientStore.create(run / "tda" / "store", meta, StoreConfig(flush_every=1)) as w:
+        for step in (2, 3, 4):
+            w.append(GradientRecord(ids=np.arange(2), step=step, lr=0.1, loss_scale=1.0,
+                                    grads={"a": torch.ones(2, 2, 2)}))
+    assert any((run / "tda" / "store" / "index").iterdir())
+    olmo_train._choose_start(_cfg(run), TDAConfig())
     assert list((run / "tda").iterdir()) == []
 
 

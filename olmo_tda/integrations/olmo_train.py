@@ -522,7 +522,7 @@ def _holds(path: Path, kind: str, *, rows: bool = False) -> bool:
 
 
 _TRAJECTORY_ENTRY = re.compile(r"^step\d+(\..*\.tmp|\.tmp)?$")     # a checkpoint, or the debris of one
-_STORE_ENTRY = re.compile(r"^(store\.json.*|manifest-r\d+\.json.*|shards|locks|quarantine|cache|\..*)$")
+_STORE_ENTRY = re.compile(r"^(store\.json.*|manifest-r\d+\.json.*|shards|index|locks|quarantine|cache|\..*)$")
 
 
 def _old_tda_outputs(folder: Path) -> list[Path]:

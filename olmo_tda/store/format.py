@@ -4,6 +4,7 @@ A store is a directory::
 
     store.json                 self-describing metadata, written once (see :mod:`.meta`)
     manifest-r00000.json       per-rank index of that rank's shards + counters (rewritten atomically)
+    index/r00000-00000000-*.json  sealed blocks of that index: 256 older shards each, written once
     shards/r00000-00000000.h5  one HDF5 file per rank per flush; immutable once renamed into place
     locks/r00000.lock          held (flock) by the live writer of rank 0; tells readers it is alive
     quarantine/                unreadable shards moved aside by ``repair=True``
@@ -81,6 +82,7 @@ FORMAT_VERSION = 1
 STORE_JSON = "store.json"
 SHARD_DIR = "shards"
 LOCK_DIR = "locks"
+SEGMENT_DIR = "index"
 QUARANTINE_DIR = "quarantine"
 TMP_SUFFIX = ".tmp"
 CRC_ATTR = "crc32"

@@ -1,8 +1,14 @@
 """Per-rank manifests, writer locks, and the open-time reconciliation of manifests with shard files.
 
 Each rank's writer keeps ``manifest-r{rank:05d}.json``: its shards (:class:`ShardInfo`), counters and
-the next shard sequence number. The manifest is an index for speed; **the shard files are the
-truth**. :func:`scan_store` reconciles the two:
+the next shard sequence number. A flush rewrites it; to keep that small however long the run, it
+lists only the newest shards itself: each time :data:`SEAL_SHARDS` more have collected there, the
+oldest block of them is *sealed* into a segment file ``index/r{rank:05d}-{first seq:08d}-{token}.json``,
+written once and named by the manifest (a truncation or repair that changes a sealed shard writes
+its block again under a new name). Segments no manifest names (the debris of a crash, or blocks
+replaced) are deleted by the rank's writer when it opens and closes, never while it runs, so a
+reader that read a manifest finds its segments. The manifest is an index for speed; **the shard
+files are the truth**. :func:`scan_store` reconciles the two:
 
 - a shard on disk but not in the manifest (crash between rename and manifest write) is validated
   and adopted;
@@ -32,6 +38,7 @@ import re
 import time
 import uuid
 import warnings
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +50,12 @@ from .format import (
     FORMAT_NAME,
     LOCK_DIR,
     QUARANTINE_DIR,
+    SEGMENT_DIR,
     SHARD_DIR,
     STORE_JSON,
     TMP_SUFFIX,
     ShardInfo,
+    fsync_dir,
     parse_manifest_name,
     parse_shard_name,
     read_shard_info,
@@ -54,8 +63,8 @@ from .format import (
     write_json_atomic,
 )
 
-__all__ = ["COUNTERS", "RankState", "RankLock", "manifest_path", "read_manifest", "write_manifest",
-           "scan_store"]
+__all__ = ["COUNTERS", "SEAL_SHARDS", "RankState", "Segment", "RankLock", "manifest_path", "read_manifest",
+           "write_manifest", "remove_unlisted_segments", "scan_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +72,37 @@ COUNTERS = ("records_appended", "rows_written", "rows_skipped_nonfinite", "rows_
             "rows_truncated")
 _SHARD_TMP_RE = re.compile(r"^r(\d{5})-\d{8}\.h5" + re.escape(TMP_SUFFIX) + "$")
 _MANIFEST_TMP_RE = re.compile(r"^manifest-r(\d{5})\.json" + re.escape(TMP_SUFFIX) + "$")
+_SEGMENT_RE = re.compile(r"^r(\d{5})-(\d{8})-[0-9a-f]{8}\.json$")
+_SEGMENT_ANY_RE = re.compile(r"^r(\d{5})-\d{8}-[0-9a-f]{8}\.json(" + re.escape(TMP_SUFFIX) + ")?$")
 _STALE_STORE_JSON_TMP_S = 600.0  # store.json is written once, in milliseconds; older temps are debris
 
 
 LEGACY_LOG_ID = "legacy"
 """The truncation log id of a manifest written before logs had ids."""
+
+SEAL_SHARDS = 256
+"""Shards per sealed segment: a rank's manifest lists fewer than this many shards past its last
+segment (~40 KB) plus one line per segment, so a flush's rewrite stays that size at any run length."""
+
+MANIFEST_VERSION = 2
+"""1: every shard in the manifest; 2: older shards in the segments it names (version 1 is still read,
+and written while a rank has no segment)."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A sealed block of a rank's index: the shards with seqs ``first_seq..last_seq``, in ``file``
+    (relative to the store root) as they were when it was written (``shards``, compared by identity
+    first, so telling an unchanged block costs a pointer per shard)."""
+
+    file: str
+    first_seq: int
+    last_seq: int
+    shards: tuple[ShardInfo, ...] = field(compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "first_seq": self.first_seq, "last_seq": self.last_seq,
+                "num_shards": len(self.shards)}
 
 
 @dataclass
@@ -83,37 +118,78 @@ class RankState:
     next_seq: int = 0
     truncations: list[int] = field(default_factory=list)
     log_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    segments: list[Segment] = field(default_factory=list)
+    """The sealed blocks as last written or read, by seq; shards outside them are listed in the manifest."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME + ".manifest", "format_version": 1, "rank": self.rank,
-                "next_seq": self.next_seq, "counters": dict(self.counters), "truncations": list(self.truncations),
-                "log_id": self.log_id,
-                "shards": [self.shards[s].to_json() for s in sorted(self.shards)]}
+    def copy(self) -> "RankState":
+        return RankState(rank=self.rank, shards=dict(self.shards), counters=dict(self.counters),
+                         next_seq=self.next_seq, truncations=list(self.truncations), log_id=self.log_id,
+                         segments=list(self.segments))
+
+    def to_json(self, listed: list[int] | None = None) -> dict[str, Any]:
+        """The manifest: ``listed`` shards (default all) and the segments, which hold the others."""
+        listed = sorted(self.shards) if listed is None else listed
+        out = {"format": FORMAT_NAME + ".manifest", "format_version": MANIFEST_VERSION if self.segments else 1,
+               "rank": self.rank, "next_seq": self.next_seq, "counters": dict(self.counters),
+               "truncations": list(self.truncations), "log_id": self.log_id,
+               "shards": [self.shards[s].to_json() for s in listed]}
+        if self.segments:
+            out["segments"] = [segment.to_json() for segment in self.segments]
+        return out
 
 
 def manifest_path(root: Path, rank: int) -> Path:
     return root / f"manifest-r{rank:05d}.json"
 
 
+_SEGMENT_READ_TRIES = 5
+
+
 def read_manifest(root: Path, rank: int) -> RankState | None:
-    """The rank's manifest, or None if it has none; :class:`StoreCorruptError` if it is unreadable."""
+    """The rank's manifest and its segments, or None if it has none; :class:`StoreCorruptError` if
+    either is unreadable. A segment gone since the manifest was read (its writer, opening or closing,
+    removed it as no longer named) sends it back to read the manifest again."""
     path = manifest_path(root, rank)
+    for _ in range(_SEGMENT_READ_TRIES):
+        data = _read_json(path, "manifest")
+        if data is None:
+            return None
+        try:
+            return _parse_manifest(data, rank, path, root)
+        except _SegmentGone as gone:
+            if _read_json(path, "manifest") != data:
+                continue            # rewritten meanwhile: read the new one
+            raise StoreCorruptError(
+                f"gradient store segment {gone.path} is named by {path.name} but missing; restore it, or "
+                "open with GradientStore.open(path, repair=True) to rebuild the index from the shard files") from None
+    raise StoreCorruptError(f"gradient store manifest {path}: its segments kept changing while being read "
+                            f"({_SEGMENT_READ_TRIES} tries); open the store again")
+
+
+class _SegmentGone(Exception):
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self.path = path
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """``path``'s JSON, None if it does not exist; :class:`StoreCorruptError` if it cannot be read."""
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
         raise StoreCorruptError(
-            f"gradient store manifest {path} is unreadable ({type(e).__name__}: {e}); "
-            "GradientStore.open(path, repair=True) rebuilds it from the shard files") from e
-    return _parse_manifest(data, rank, path)
+            f"gradient store {what} {path} is unreadable ({type(e).__name__}: {e}); "
+            "GradientStore.open(path, repair=True) rebuilds the index from the shard files") from e
 
 
 _SHARD_FIELDS = ("file", "rank", "seq", "num_rows", "step_min", "step_max", "bytes")
 
 
-def _parse_manifest(data: Any, rank: int, path: Path) -> RankState:
-    """The :class:`RankState` in a parsed manifest, every field checked to be what a writer writes."""
+def _parse_manifest(data: Any, rank: int, path: Path, root: Path) -> RankState:
+    """The :class:`RankState` in a parsed manifest and its segments, every field checked to be what a
+    writer writes."""
     def damaged(where: str, problem: str) -> StoreCorruptError:
         return StoreCorruptError(f"gradient store manifest {path} is damaged: {where} {problem}; "
                                  "GradientStore.open(path, repair=True) rebuilds it from the shard files")
@@ -122,6 +198,10 @@ def _parse_manifest(data: Any, rank: int, path: Path) -> RankState:
         raise damaged("the file", f"must be a JSON object, got {type(data).__name__}")
     if data.get("format") != FORMAT_NAME + ".manifest":
         raise damaged("format", f"must be {FORMAT_NAME + '.manifest'!r}, got {data.get('format', '<absent>')!r}")
+    version = data.get("format_version", 1)
+    if not _is_count(version) or version > MANIFEST_VERSION:
+        raise StoreError(f"gradient store manifest {path} has format_version {version!r}, newer than this "
+                         f"olmo_tda reads ({MANIFEST_VERSION}); upgrade olmo_tda to read this store")
     if data.get("rank") != rank or not _is_count(data.get("rank")):
         raise damaged("rank", f"must be {rank} (the rank in its name), got {data.get('rank', '<absent>')!r}")
     if not _is_count(data.get("next_seq")):
@@ -147,25 +227,91 @@ def _parse_manifest(data: Any, rank: int, path: Path) -> RankState:
     shards = data.get("shards")
     if not isinstance(shards, list):
         raise damaged("shards", f"must be a list, got {shards if 'shards' in data else '<absent>'!r}")
-    for i, entry in enumerate(shards):
+    _parse_shards(shards, "shards", state, damaged, None)
+    segments = data.get("segments", [])
+    if not isinstance(segments, list):
+        raise damaged("segments", f"must be a list, got {segments!r}")
+    last = -1
+    for i, ref in enumerate(segments):
+        where = f"segments[{i}]"
+        if not isinstance(ref, dict):
+            raise damaged(where, f"must be a JSON object, got {ref!r}")
+        for key in ("first_seq", "last_seq", "num_shards"):
+            if not _is_count(ref.get(key)):
+                raise damaged(f"{where}.{key}", f"must be an int >= 0, got {ref.get(key, '<absent>')!r}")
+        name = ref.get("file")
+        m = _SEGMENT_RE.match(name[len(SEGMENT_DIR) + 1:]) if isinstance(name, str) \
+            and name.startswith(SEGMENT_DIR + "/") else None
+        if m is None or int(m.group(1)) != rank or int(m.group(2)) != ref["first_seq"]:
+            # also keeps a damaged entry from pointing outside the store
+            raise damaged(f"{where}.file", f"must be {SEGMENT_DIR}/r{rank:05d}-{ref['first_seq']:08d}-<token>.json "
+                          f"(from its rank and first seq), got {name!r}")
+        if not last < ref["first_seq"] <= ref["last_seq"] or ref["num_shards"] < 1:
+            raise damaged(where, f"must cover seqs after the previous segment's (last {last}) with "
+                          f"first_seq <= last_seq and num_shards >= 1, got {ref!r}")
+        last = ref["last_seq"]
+    for ref in segments:
+        state.segments.append(_read_segment(root, ref["file"], rank, ref, state, path))
+    return state
+
+
+def _read_segment(root: Path, name: str, rank: int, ref: dict[str, Any], state: RankState,
+                  manifest: Path) -> Segment:
+    """Segment ``name`` as the manifest's entry ``ref`` describes it; its shards go into ``state``."""
+    path = root / name
+
+    def damaged(where: str, problem: str) -> StoreCorruptError:
+        return StoreCorruptError(f"gradient store segment {path} (named by {manifest.name}) is damaged: {where} "
+                                 f"{problem}; GradientStore.open(path, repair=True) rebuilds the index from the "
+                                 "shard files")
+
+    data = _read_json(path, "segment")
+    if data is None:
+        raise _SegmentGone(path)
+    if not isinstance(data, dict):
+        raise damaged("the file", f"must be a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT_NAME + ".manifest_segment":
+        raise damaged("format", f"must be {FORMAT_NAME + '.manifest_segment'!r}, got "
+                      f"{data.get('format', '<absent>')!r}")
+    for key in ("rank", "first_seq", "last_seq"):
+        want = rank if key == "rank" else ref[key]
+        if data.get(key) != want:
+            raise damaged(key, f"must be {want} (as the manifest says), got {data.get(key, '<absent>')!r}")
+    shards = data.get("shards")
+    if not isinstance(shards, list) or len(shards) != ref["num_shards"]:
+        raise damaged("shards", f"must be a list of the {ref['num_shards']} shards the manifest counts, got "
+                      f"{len(shards) if isinstance(shards, list) else shards!r}")
+    members = _parse_shards(shards, "shards", state, damaged, (ref["first_seq"], ref["last_seq"]))
+    return Segment(name, ref["first_seq"], ref["last_seq"], tuple(members))
+
+
+def _parse_shards(entries: list[Any], what: str, state: RankState, damaged, seq_range) -> list[ShardInfo]:
+    """Check a list of shard entries and add them to ``state.shards`` (seqs within ``seq_range``)."""
+    rank = state.rank
+    out = []
+    for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise damaged(f"shards[{i}]", f"must be a JSON object, got {entry!r}")
+            raise damaged(f"{what}[{i}]", f"must be a JSON object, got {entry!r}")
         for key in _SHARD_FIELDS[1:]:
             if not _is_count(entry.get(key)):
-                raise damaged(f"shards[{i}].{key}", f"must be an int >= 0, got {entry.get(key, '<absent>')!r}")
+                raise damaged(f"{what}[{i}].{key}", f"must be an int >= 0, got {entry.get(key, '<absent>')!r}")
         if entry["rank"] != rank:
-            raise damaged(f"shards[{i}].rank", f"must be {rank} (the manifest's rank), got {entry['rank']!r}")
+            raise damaged(f"{what}[{i}].rank", f"must be {rank} (the manifest's rank), got {entry['rank']!r}")
         if entry.get("file") != shard_name(rank, entry["seq"]):
             # also keeps a damaged entry from pointing outside the store
-            raise damaged(f"shards[{i}].file", f"must be {shard_name(rank, entry['seq'])!r} (from its rank "
+            raise damaged(f"{what}[{i}].file", f"must be {shard_name(rank, entry['seq'])!r} (from its rank "
                           f"and seq), got {entry.get('file', '<absent>')!r}")
         if entry["num_rows"] < 1 or entry["step_min"] > entry["step_max"]:
-            raise damaged(f"shards[{i}]", f"must have num_rows >= 1 and step_min <= step_max, got "
+            raise damaged(f"{what}[{i}]", f"must have num_rows >= 1 and step_min <= step_max, got "
                           f"num_rows={entry['num_rows']}, steps {entry['step_min']}..{entry['step_max']}")
+        if seq_range is not None and not seq_range[0] <= entry["seq"] <= seq_range[1]:
+            raise damaged(f"{what}[{i}].seq", f"must be in {seq_range[0]}..{seq_range[1]} (the segment's), "
+                          f"got {entry['seq']}")
         if entry["seq"] in state.shards:
-            raise damaged(f"shards[{i}].seq", f"{entry['seq']} is listed twice")
-        state.shards[entry["seq"]] = ShardInfo.from_json(entry)
-    return state
+            raise damaged(f"{what}[{i}].seq", f"{entry['seq']} is listed twice")
+        info = state.shards[entry["seq"]] = ShardInfo.from_json(entry)
+        out.append(info)
+    return out
 
 
 def _is_count(value: Any) -> bool:
@@ -174,7 +320,67 @@ def _is_count(value: Any) -> bool:
 
 
 def write_manifest(root: Path, state: RankState) -> None:
-    write_json_atomic(manifest_path(root, state.rank), state.to_json())
+    """Write the rank's manifest (atomically, after any segment it names): sealed blocks whose shards
+    are unchanged are kept as they are, changed ones written again under new names, and each
+    :data:`SEAL_SHARDS` shards past the last block sealed into a new one. ``state.segments`` is
+    updated once the manifest is on disk."""
+    seqs = sorted(state.shards)
+    listed: list[int] = []
+    segments: list[Segment] = []
+    pos = 0
+    for segment in state.segments:
+        lo = bisect_left(seqs, segment.first_seq, pos)
+        hi = bisect_right(seqs, segment.last_seq, lo)
+        listed.extend(seqs[pos:lo])
+        pos = hi
+        members = tuple(state.shards[s] for s in seqs[lo:hi])
+        if members == segment.shards:
+            segments.append(segment)
+        elif members:        # empty: every shard of it was truncated away
+            segments.append(_write_segment(root, state.rank, segment.first_seq, segment.last_seq, members))
+    tail = seqs[pos:]
+    while len(tail) >= SEAL_SHARDS:
+        block, tail = tail[:SEAL_SHARDS], tail[SEAL_SHARDS:]
+        segments.append(_write_segment(root, state.rank, block[0], block[-1], tuple(state.shards[s] for s in block)))
+    listed.extend(tail)
+    before, state.segments = state.segments, segments
+    try:
+        write_json_atomic(manifest_path(root, state.rank), state.to_json(listed))
+    except BaseException:
+        state.segments = before
+        raise
+
+
+def _write_segment(root: Path, rank: int, first_seq: int, last_seq: int, members: tuple[ShardInfo, ...]) -> Segment:
+    name = f"{SEGMENT_DIR}/r{rank:05d}-{first_seq:08d}-{uuid.uuid4().hex[:8]}.json"
+    folder = root / SEGMENT_DIR
+    if not folder.is_dir():
+        folder.mkdir(exist_ok=True)
+        fsync_dir(root)
+    write_json_atomic(root / name, {"format": FORMAT_NAME + ".manifest_segment", "format_version": 1, "rank": rank,
+                                    "first_seq": first_seq, "last_seq": last_seq,
+                                    "shards": [info.to_json() for info in members]})
+    return Segment(name, first_seq, last_seq, members)
+
+
+def remove_unlisted_segments(root: Path, rank: int) -> None:
+    """Delete the rank's segment files (and their temps) that its manifest on disk does not name. For
+    the rank's writer only, at open and close (so never under a reader of the manifest it wrote last)."""
+    folder = root / SEGMENT_DIR
+    if not folder.is_dir():
+        return
+    try:
+        data = _read_json(manifest_path(root, rank), "manifest")
+    except StoreCorruptError:
+        return              # what it names is unknown: keep everything for a repair
+    named = {ref.get("file") for ref in data.get("segments", []) if isinstance(ref, dict)} \
+        if isinstance(data, dict) and isinstance(data.get("segments", []), list) else None
+    if named is None:
+        return
+    for entry in os.scandir(folder):
+        m = _SEGMENT_ANY_RE.match(entry.name)
+        if m is not None and int(m.group(1)) == rank and f"{SEGMENT_DIR}/{entry.name}" not in named:
+            _remove_debris(Path(entry.path))
 
 
 LOCK_WAIT_S = 5.0
@@ -387,6 +593,10 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
         if parsed is not None:
             files.setdefault(parsed[0], {})[parsed[1]] = f"{SHARD_DIR}/{entry.name}"
         elif (m := _SHARD_TMP_RE.match(entry.name)) is not None:
+            tmps.setdefault(int(m.group(1)), []).append(Path(entry.path))
+    segment_dir = root / SEGMENT_DIR
+    for entry in os.scandir(segment_dir) if segment_dir.is_dir() else []:
+        if (m := _SEGMENT_ANY_RE.match(entry.name)) is not None and m.group(2):
             tmps.setdefault(int(m.group(1)), []).append(Path(entry.path))
     manifests: set[int] = set()
     for entry in os.scandir(root):

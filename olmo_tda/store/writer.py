@@ -56,7 +56,7 @@ from .format import (
     write_shard,
 )
 from .keys import KeyIndex, StepKeys
-from .manifest import RankLock, RankState, scan_store, write_manifest
+from .manifest import RankLock, RankState, remove_unlisted_segments, scan_store, write_manifest
 from .meta import build_store_meta, check_meta_compatible, load_store_json
 from .record import GradientRecord, LowRank
 
@@ -159,6 +159,7 @@ class StoreWriter:
             shapes = [stored_shape(layer) for layer in stored["layers"]]
             states = scan_store(root, layer_shapes=shapes, dtype=StoreDType(stored["dtype"]),
                                 repair=repair, own_rank=rank)
+            remove_unlisted_segments(root, rank)     # blocks a crash or a truncation left behind
         except BaseException:
             lock.release()
             raise
@@ -243,6 +244,8 @@ class StoreWriter:
         self._window.release()      # written: a closed writer kept alive by its owner holds no rows
         self._finite = None
         atexit.unregister(self._close_at_exit)
+        with contextlib.suppress(OSError):      # a reader that read an older manifest reads it again
+            remove_unlisted_segments(self.path, self.rank)
         self._lock.release()
         logger.info("gradient store %s: rank %d closed (%s)", self.path, self.rank, self.stats)
         self._raise_pending()
@@ -619,9 +622,8 @@ class StoreWriter:
                 chunk = _read_rows_up_to(self.path / info.file, step, len(self.layers))
                 prepared.append(prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
                                               self.dtype, self._config.compression))
-            truncated = RankState(rank=self.rank, shards=dict(state.shards), counters=dict(state.counters),
-                                  next_seq=state.next_seq, truncations=[*state.truncations, int(step)],
-                                  log_id=state.log_id)
+            truncated = state.copy()
+            truncated.truncations.append(int(step))
             for info in gone:
                 del truncated.shards[info.seq]
             for _, new in prepared:
