@@ -8,7 +8,7 @@ HDF5 store, and ask which training examples made the model do something::
 and, for a run of ``olmo-tda train`` or of the DeepSpeed example, ``from olmo_tda import open_run``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .capture import CaptureError, GradientCapture, Recording
 from .config import CaptureConfig, ConfigError, StoreConfig, TDAConfig

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import _store_kill_worker as worker
+import olmo_tda
 from olmo_tda.config import StoreConfig, StoreDType
 from olmo_tda.store import (
     GradientRecord,
@@ -372,7 +373,7 @@ def test_store_json_is_self_describing_and_summary(tmp_path):
     assert stored["format"] == "olmo_tda.store" and stored["format_version"] == 1
     assert stored["gradient_convention"] == "sum_token_loss;loss_scale=update_share"
     assert stored["representation"] == "dense"
-    assert stored["dtype"] == "bfloat16" and stored["library_version"] == "0.1.0"
+    assert stored["dtype"] == "bfloat16" and stored["library_version"] == olmo_tda.__version__
     assert stored["layers"] == worker.LAYERS and stored["capture"] == META["capture"]
     assert stored["projector_hash"] == "kill-test" and stored["extra"] == {"data_fingerprint": "abc123"}
     summary = GradientStore.open(tmp_path / "s").summary()

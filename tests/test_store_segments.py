@@ -40,6 +40,11 @@ def segment_files(path):
     return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
 
+def listed(head):
+    """The shards a manifest lists itself."""
+    return head["recent_shards"] if head["format_version"] == 2 else head["shards"]
+
+
 def named_segments(path):
     return sorted(Path(ref["file"]).name for ref in manifest(path).get("segments", []))
 
@@ -72,13 +77,14 @@ def test_a_long_run_seals_its_index_into_segments_each_written_once(tmp_path):
             w.append(r)
             w.flush()
             head = manifest(path)
-            assert len(head["shards"]) < SEAL              # the manifest stays bounded
+            assert len(listed(head)) < SEAL                # the manifest stays bounded
             for name in segment_files(path):               # a sealed block is never written again
                 data = (path / "index" / name).read_bytes()
                 assert contents.setdefault(name, data) == data, name
             assert segment_files(path) == named_segments(path)
     head = manifest(path)
-    assert head["format_version"] == 2 and len(head["segments"]) == 5 and len(head["shards"]) == 3
+    assert head["format_version"] == 2 and len(head["segments"]) == 5 and len(listed(head)) == 3
+    assert "upgrade olmo_tda" in head["shards"]        # what an olmo_tda reading only format 1 refuses it with
     assert [(ref["first_seq"], ref["last_seq"], ref["num_shards"]) for ref in head["segments"]] == \
         [(s, s + SEAL - 1, SEAL) for s in range(0, 20, SEAL)]
     store = GradientStore.open(path)
@@ -131,41 +137,63 @@ def _ref0(**changes):
     return lambda d: {**d, "segments": [{**d["segments"][0], **changes}, *d["segments"][1:]]}
 
 
-@pytest.mark.parametrize("damage, says", [
+KEPT = "its counters and truncation log are kept"
+REBUILT = "rebuilding unreadable manifest"
+
+
+@pytest.mark.parametrize("damage, says, repaired", [
     (lambda p: (p / _seg0(p)).unlink(), r"segment .*r00000-00000000-\w+\.json is named by manifest-r00000.json but "
-                                        "missing"),
-    (lambda p: (p / _seg0(p)).write_text("{"), r"segment .*r00000-00000000-\w+\.json is unreadable"),
+                                        "missing", KEPT),
+    (lambda p: (p / _seg0(p)).write_text("{"), r"segment .*r00000-00000000-\w+\.json is unreadable", KEPT),
     (lambda p: _edit(p, _seg0(p), lambda d: {**d, "shards": d["shards"][:-1]}),
-     r"segment .* is damaged: shards must be a list of the 4 shards the manifest counts, got 3"),
+     r"segment .* is damaged: shards must be a list of the 4 shards the manifest counts, got 3", KEPT),
     (lambda p: _edit(p, _seg0(p), lambda d: {**d, "shards": [{**d["shards"][0], "seq": 9, "file":
                                                               "shards/r00000-00000009.h5"}, *d["shards"][1:]]}),
-     r"segment .* is damaged: shards\[0\].seq must be in 0..3"),
-    (lambda p: _edit(p, _seg0(p), lambda d: {**d, "rank": 1}), r"segment .* is damaged: rank must be 0"),
+     r"segment .* is damaged: shards\[0\].seq must be in 0..3", KEPT),
+    (lambda p: _edit(p, _seg0(p), lambda d: {**d, "rank": 1}), r"segment .* is damaged: rank must be 0", KEPT),
+    (lambda p: _edit(p, _seg0(p), lambda d: {**d, "format_version": 7}),
+     r"segment .* is damaged: format_version must be 1", KEPT),
     (lambda p: _edit(p, "manifest-r00000.json", _ref0(file="../../elsewhere.json")),
-     r"manifest-r00000.json is damaged: segments\[0\].file"),
+     r"manifest-r00000.json is damaged: segments\[0\].file", REBUILT),
+    (lambda p: _edit(p, "manifest-r00000.json", _ref0(file="index/r00000-00000000-0123abcd.json\n")),
+     r"manifest-r00000.json is damaged: segments\[0\].file", REBUILT),
     (lambda p: _edit(p, "manifest-r00000.json", _ref0(last_seq=4)),
-     r"manifest-r00000.json is damaged: segments\[1\] must cover seqs after"),
-    (lambda p: _edit(p, "manifest-r00000.json", lambda d: {**d, "shards": [*d["shards"],
-                                                                           json.loads(json.dumps(d["shards"][0]))
-                                                                           | {"seq": 2, "file":
-                                                                              "shards/r00000-00000002.h5"}]}),
-     r"segment .* is damaged: shards\[2\].seq 2 is listed twice"),
+     r"manifest-r00000.json is damaged: segments\[1\] must cover seqs after", REBUILT),
+    (lambda p: _edit(p, "manifest-r00000.json", lambda d: {**d, "recent_shards": [
+        *d["recent_shards"], json.loads((p / _seg0(p)).read_text())["shards"][2]]}),
+     r"manifest-r00000.json is damaged: segments\[0\] covers a shard recent_shards lists", REBUILT),
+    (lambda p: _edit(p, "manifest-r00000.json", lambda d: {**d, "format_version": 1}),
+     r"manifest-r00000.json is damaged: shards must be a list", REBUILT),
+    (lambda p: _edit(p, "manifest-r00000.json", lambda d: {**d, "segments": []}),
+     r"manifest-r00000.json is damaged: segments must be a non-empty list", REBUILT),
 ])
 def test_a_damaged_or_missing_segment_is_a_corrupt_error_naming_it_and_repair_rebuilds_the_index(
-        tmp_path, damage, says):
-    path, records = tmp_path / "s", random_records(range(10))
+        tmp_path, damage, says, repaired):
+    """A damaged segment (the manifest itself sound) is rebuilt from the shard files keeping the
+    manifest's counters and truncation log, so a checkpoint's rollback check still sees its cuts; a
+    damaged manifest is rebuilt whole, as before segments."""
+    path, records = tmp_path / "s", random_records(range(12))
     with GradientStore.create(path, META, StoreConfig(flush_every=1)) as w:
         for r in records:
             w.append(r)
+    with GradientStore.create(path, META, StoreConfig(flush_every=1)) as w:
+        w.truncate_after(9)
+        timeline, counters = w.timeline(), {k: w.stats[k] for k in ("rows_written", "rows_truncated")}
+    records = records[:10]
+    assert timeline[1] == 1 and counters == {"rows_written": 36, "rows_truncated": 6}
     damage(path)
     with pytest.raises(StoreCorruptError, match=says + r".*repair=True"):
         GradientStore.open(path)
-    with pytest.warns(RuntimeWarning, match="rebuilding unreadable manifest"):
+    with pytest.warns(RuntimeWarning, match=repaired):
         assert_rows(GradientStore.open(path, repair=True), records)
     assert_rows(GradientStore.open(path), records)      # the rebuilt index was written, sealed again
     assert len(manifest(path)["segments"]) == 2
-    with GradientStore.create(path, META, StoreConfig()):
-        pass
+    with GradientStore.create(path, META, StoreConfig()) as w:
+        after = w.timeline(), {k: w.stats[k] for k in ("rows_written", "rows_truncated")}
+    if repaired == KEPT:
+        assert after == (timeline, counters)
+    else:
+        assert after[0][0] != timeline[0] and after[1]["rows_truncated"] == 0
     assert segment_files(path) == named_segments(path)  # the damaged block's file went with the writer's open
 
 
@@ -282,3 +310,28 @@ def test_two_ranks_seal_their_own_blocks_and_a_departed_ranks_are_cut_under_its_
         sorted(Path(ref["file"]).name for ref in rank1["segments"])
     assert sorted(p.name for p in (path / "index").glob("r00000-*.json")) == by_rank[0]
     assert_rows(GradientStore.open(path), per_rank[0] + per_rank[1][:6])
+
+
+def test_a_rewritten_block_never_takes_the_name_of_the_one_it_replaces(tmp_path, monkeypatch):
+    """A block keeps its first seq when rewritten, so only the random token tells the names apart: a
+    token drawn again must not overwrite the block the manifest on disk still names."""
+    path, records = tmp_path / "s", random_records(range(6))
+    with GradientStore.create(path, META, StoreConfig(flush_every=1)) as w:
+        for r in records:
+            w.append(r)
+    old = named_segments(path)[0]
+    before = (path / "index" / old).read_text()
+    writer = GradientStore.create(path, META, StoreConfig())
+    real, drawn = manifest_module.uuid.uuid4, []
+
+    def uuid4():                            # the old block's token first, then fresh ones
+        drawn.append(real() if drawn else type("U", (), {"hex": old.split("-")[2][:8] + "0" * 24})())
+        return drawn[-1]
+
+    monkeypatch.setattr(manifest_module.uuid, "uuid4", uuid4)
+    writer.truncate_after(1)
+    assert len(drawn) == 2
+    assert (path / "index" / old).read_text() == before     # untouched while the writer runs
+    assert named_segments(path) == [f"r00000-00000000-{drawn[1].hex[:8]}.json"]
+    writer.close()
+    assert_rows(GradientStore.open(path), records[:2])

@@ -7,8 +7,9 @@ oldest block of them is *sealed* into a segment file ``index/r{rank:05d}-{first 
 written once and named by the manifest (a truncation or repair that changes a sealed shard writes
 its block again under a new name). Segments no manifest names (the debris of a crash, or blocks
 replaced) are deleted by the rank's writer when it opens and closes, never while it runs, so a
-reader that read a manifest finds its segments. The manifest is an index for speed; **the shard
-files are the truth**. :func:`scan_store` reconciles the two:
+writer never loses a block its index names; a reader that finds a named block gone (removed by an
+open or close after it read the manifest) reads the manifest again. The manifest is an index for
+speed; **the shard files are the truth**. :func:`scan_store` reconciles the two:
 
 - a shard on disk but not in the manifest (crash between rename and manifest write) is validated
   and adopted;
@@ -72,8 +73,8 @@ COUNTERS = ("records_appended", "rows_written", "rows_skipped_nonfinite", "rows_
             "rows_truncated")
 _SHARD_TMP_RE = re.compile(r"^r(\d{5})-\d{8}\.h5" + re.escape(TMP_SUFFIX) + "$")
 _MANIFEST_TMP_RE = re.compile(r"^manifest-r(\d{5})\.json" + re.escape(TMP_SUFFIX) + "$")
-_SEGMENT_RE = re.compile(r"^r(\d{5})-(\d{8})-[0-9a-f]{8}\.json$")
-_SEGMENT_ANY_RE = re.compile(r"^r(\d{5})-\d{8}-[0-9a-f]{8}\.json(" + re.escape(TMP_SUFFIX) + ")?$")
+_SEGMENT_RE = re.compile(r"r([0-9]{5})-([0-9]{8})-[0-9a-f]{8}\.json")                     # fullmatch only
+_SEGMENT_ANY_RE = re.compile(r"r([0-9]{5})-[0-9]{8}-[0-9a-f]{8}\.json(" + re.escape(TMP_SUFFIX) + ")?")
 _STALE_STORE_JSON_TMP_S = 600.0  # store.json is written once, in milliseconds; older temps are debris
 
 
@@ -85,8 +86,13 @@ SEAL_SHARDS = 256
 segment (~40 KB) plus one line per segment, so a flush's rewrite stays that size at any run length."""
 
 MANIFEST_VERSION = 2
-"""1: every shard in the manifest; 2: older shards in the segments it names (version 1 is still read,
-and written while a rank has no segment)."""
+"""1: every shard in the manifest (``shards``); 2: the newest in ``recent_shards``, older ones in the
+segments it names, and ``shards`` a string an olmo_tda that reads only version 1 (and does not check
+the version) refuses with it, instead of adopting every sealed shard as unlisted. Version 1 is still
+read, and written while a rank has no segment."""
+
+_V2_SHARDS = ("this manifest's shards are in recent_shards and the index/ segments it names (format_version 2, "
+              "olmo_tda >= 0.2.0): upgrade olmo_tda to open this store")
 
 
 @dataclass(frozen=True)
@@ -131,10 +137,13 @@ class RankState:
         listed = sorted(self.shards) if listed is None else listed
         out = {"format": FORMAT_NAME + ".manifest", "format_version": MANIFEST_VERSION if self.segments else 1,
                "rank": self.rank, "next_seq": self.next_seq, "counters": dict(self.counters),
-               "truncations": list(self.truncations), "log_id": self.log_id,
-               "shards": [self.shards[s].to_json() for s in listed]}
+               "truncations": list(self.truncations), "log_id": self.log_id}
+        entries = [self.shards[s].to_json() for s in listed]
         if self.segments:
-            out["segments"] = [segment.to_json() for segment in self.segments]
+            out.update(shards=_V2_SHARDS, recent_shards=entries,
+                       segments=[segment.to_json() for segment in self.segments])
+        else:
+            out["shards"] = entries
         return out
 
 
@@ -159,9 +168,11 @@ def read_manifest(root: Path, rank: int) -> RankState | None:
         except _SegmentGone as gone:
             if _read_json(path, "manifest") != data:
                 continue            # rewritten meanwhile: read the new one
-            raise StoreCorruptError(
+            error = StoreCorruptError(
                 f"gradient store segment {gone.path} is named by {path.name} but missing; restore it, or "
-                "open with GradientStore.open(path, repair=True) to rebuild the index from the shard files") from None
+                "open with GradientStore.open(path, repair=True) to rebuild the index from the shard files")
+            error.partial = gone.partial
+            raise error from None
     raise StoreCorruptError(f"gradient store manifest {path}: its segments kept changing while being read "
                             f"({_SEGMENT_READ_TRIES} tries); open the store again")
 
@@ -170,6 +181,7 @@ class _SegmentGone(Exception):
     def __init__(self, path: Path):
         super().__init__(str(path))
         self.path = path
+        self.partial: RankState | None = None
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -224,14 +236,17 @@ def _parse_manifest(data: Any, rank: int, path: Path, root: Path) -> RankState:
     state.log_id = data.get("log_id", LEGACY_LOG_ID)
     if not isinstance(state.log_id, str) or not state.log_id:
         raise damaged("log_id", f"must be a non-empty string, got {state.log_id!r}")
-    shards = data.get("shards")
+    list_key = "recent_shards" if version >= 2 else "shards"
+    shards = data.get(list_key)
     if not isinstance(shards, list):
-        raise damaged("shards", f"must be a list, got {shards if 'shards' in data else '<absent>'!r}")
-    _parse_shards(shards, "shards", state, damaged, None)
+        raise damaged(list_key, f"must be a list, got {shards if list_key in data else '<absent>'!r}")
+    _parse_shards(shards, list_key, state, damaged, None)
+    if version < 2 and "segments" in data:
+        raise damaged("segments", f"must be absent from a format_version {version} manifest")
     segments = data.get("segments", [])
-    if not isinstance(segments, list):
-        raise damaged("segments", f"must be a list, got {segments!r}")
-    last = -1
+    if not isinstance(segments, list) or (version >= 2 and not segments):
+        raise damaged("segments", f"must be a non-empty list in format_version {version}, got {segments!r}")
+    last, listed = -1, sorted(state.shards)
     for i, ref in enumerate(segments):
         where = f"segments[{i}]"
         if not isinstance(ref, dict):
@@ -240,7 +255,7 @@ def _parse_manifest(data: Any, rank: int, path: Path, root: Path) -> RankState:
             if not _is_count(ref.get(key)):
                 raise damaged(f"{where}.{key}", f"must be an int >= 0, got {ref.get(key, '<absent>')!r}")
         name = ref.get("file")
-        m = _SEGMENT_RE.match(name[len(SEGMENT_DIR) + 1:]) if isinstance(name, str) \
+        m = _SEGMENT_RE.fullmatch(name[len(SEGMENT_DIR) + 1:]) if isinstance(name, str) \
             and name.startswith(SEGMENT_DIR + "/") else None
         if m is None or int(m.group(1)) != rank or int(m.group(2)) != ref["first_seq"]:
             # also keeps a damaged entry from pointing outside the store
@@ -250,8 +265,15 @@ def _parse_manifest(data: Any, rank: int, path: Path, root: Path) -> RankState:
             raise damaged(where, f"must cover seqs after the previous segment's (last {last}) with "
                           f"first_seq <= last_seq and num_shards >= 1, got {ref!r}")
         last = ref["last_seq"]
+        at = bisect_left(listed, ref["first_seq"])
+        if at < len(listed) and listed[at] <= ref["last_seq"]:
+            raise damaged(where, f"covers a shard {list_key} lists (seqs {ref['first_seq']}..{ref['last_seq']})")
     for ref in segments:
-        state.segments.append(_read_segment(root, ref["file"], rank, ref, state, path))
+        try:
+            state.segments.append(_read_segment(root, ref["file"], rank, ref, state, path))
+        except (StoreCorruptError, _SegmentGone) as e:
+            e.partial = state       # what the manifest itself holds, for a repair to keep
+            raise
     return state
 
 
@@ -273,6 +295,8 @@ def _read_segment(root: Path, name: str, rank: int, ref: dict[str, Any], state: 
     if data.get("format") != FORMAT_NAME + ".manifest_segment":
         raise damaged("format", f"must be {FORMAT_NAME + '.manifest_segment'!r}, got "
                       f"{data.get('format', '<absent>')!r}")
+    if data.get("format_version") != 1:
+        raise damaged("format_version", f"must be 1, got {data.get('format_version', '<absent>')!r}")
     for key in ("rank", "first_seq", "last_seq"):
         want = rank if key == "rank" else ref[key]
         if data.get(key) != want:
@@ -353,6 +377,8 @@ def write_manifest(root: Path, state: RankState) -> None:
 
 def _write_segment(root: Path, rank: int, first_seq: int, last_seq: int, members: tuple[ShardInfo, ...]) -> Segment:
     name = f"{SEGMENT_DIR}/r{rank:05d}-{first_seq:08d}-{uuid.uuid4().hex[:8]}.json"
+    while (root / name).exists():   # never over a block a manifest may name (a rewritten one keeps its first seq)
+        name = f"{SEGMENT_DIR}/r{rank:05d}-{first_seq:08d}-{uuid.uuid4().hex[:8]}.json"
     folder = root / SEGMENT_DIR
     if not folder.is_dir():
         folder.mkdir(exist_ok=True)
@@ -377,10 +403,17 @@ def remove_unlisted_segments(root: Path, rank: int) -> None:
         if isinstance(data, dict) and isinstance(data.get("segments", []), list) else None
     if named is None:
         return
-    for entry in os.scandir(folder):
-        m = _SEGMENT_ANY_RE.match(entry.name)
-        if m is not None and int(m.group(1)) == rank and f"{SEGMENT_DIR}/{entry.name}" not in named:
-            _remove_debris(Path(entry.path))
+    try:
+        stray = [Path(entry.path) for entry in os.scandir(folder)
+                 if (m := _SEGMENT_ANY_RE.fullmatch(entry.name)) is not None and int(m.group(1)) == rank
+                 and f"{SEGMENT_DIR}/{entry.name}" not in named]
+        if stray:
+            fsync_dir(root)     # the manifest that no longer names them is durable before they go
+    except OSError as e:        # cleanup only: what stays is removed at the next open or close
+        logger.debug("gradient store %s: could not remove stray segments of rank %d: %s", root, rank, e)
+        return
+    for path in stray:
+        _remove_debris(path)
 
 
 LOCK_WAIT_S = 5.0
@@ -596,7 +629,7 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
             tmps.setdefault(int(m.group(1)), []).append(Path(entry.path))
     segment_dir = root / SEGMENT_DIR
     for entry in os.scandir(segment_dir) if segment_dir.is_dir() else []:
-        if (m := _SEGMENT_ANY_RE.match(entry.name)) is not None and m.group(2):
+        if (m := _SEGMENT_ANY_RE.fullmatch(entry.name)) is not None and m.group(2):
             tmps.setdefault(int(m.group(1)), []).append(Path(entry.path))
     manifests: set[int] = set()
     for entry in os.scandir(root):
@@ -619,17 +652,30 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
             if may_modify:
                 for tmp in tmps.get(rank, []):
                     _remove_debris(tmp)
+            kept = None
             try:
                 state = read_manifest(root, rank)
-            except StoreCorruptError:
+            except StoreCorruptError as e:
                 if not repair:
                     raise
-                warnings.warn(f"gradient store {root}: rebuilding unreadable manifest of rank {rank} "
-                              "from its shard files (counters restart)", RuntimeWarning, stacklevel=2)
-                state = None
+                if (kept := getattr(e, "partial", None)) is not None:
+                    # the manifest itself is sound: keep its counters, truncation log and id (a checkpoint's
+                    # rollback check reads them); only the shards of its unreadable segment are re-found
+                    warnings.warn(f"gradient store {root}: rebuilding the index of rank {rank} from its shard "
+                                  f"files ({e}); its counters and truncation log are kept", RuntimeWarning,
+                                  stacklevel=2)
+                else:
+                    warnings.warn(f"gradient store {root}: rebuilding unreadable manifest of rank {rank} "
+                                  "from its shard files (counters restart)", RuntimeWarning, stacklevel=2)
+                state = kept
             state = state or RankState(rank=rank)
+            written = state.counters["rows_written"]
             changed = _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes,
                                       dtype=dtype, repair=repair, may_modify=may_modify)
+            if kept is not None:
+                # its count holds the re-found shards' rows already (so not one written after it, if any)
+                state.counters["rows_written"] = written
+                changed = True
             if changed and may_modify and (rank == own_rank or repair):
                 try:
                     write_manifest(root, state)

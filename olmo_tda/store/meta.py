@@ -48,7 +48,7 @@ def _library_version() -> str:
 
         return dist_version("olmo-tda")
     except Exception:  # noqa: BLE001 - not installed as a distribution (e.g. a source checkout)
-        return "0.1.0"
+        return "0.2.0"
 
 
 def _plain(value: Any, where: str) -> Any:
