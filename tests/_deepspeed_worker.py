@@ -346,6 +346,11 @@ def check_errors(out: Path) -> None:
 def main() -> None:
     import deepspeed
 
+    from olmo_tda.store import manifest
+
+    # a block sealed every 2 shards: every run here also writes, truncates (resumes) and reads the
+    # store's sealed index segments, as a long run's ranks do after 256 shards each
+    manifest.SEAL_SHARDS = 2
     out = Path(sys.argv[1])
     deepspeed.init_distributed(dist_backend="nccl" if DEVICE == "cuda" else "gloo")
     try:

@@ -204,6 +204,8 @@ def test_deepspeed_zero3_save_kill_load_continue_has_no_duplicate_or_missing_row
     before = GradientStore.open(crashed / "store", repair=True)
     assert max(before.steps) == 5, "the test needs rows past the checkpoint on disk"
     torchrun(tmp_path, base + ",save_at=3,resume=1")
+    # both ranks' indexes hold sealed blocks (the worker seals every 2 shards) cut back by the resume
+    assert {p.name[:6] for p in (crashed / "store" / "index").glob("*.json")} == {"r00000", "r00001"}
     _, straight = stored_rows(tmp_path / worker.case_name(worker.parse_case(base)))
     _, resumed = stored_rows(crashed)
     keys = list(zip(resumed.ids.tolist(), resumed.steps.tolist()))
