@@ -391,7 +391,8 @@ def _write_segment(root: Path, rank: int, first_seq: int, last_seq: int, members
 
 def remove_unlisted_segments(root: Path, rank: int) -> None:
     """Delete the rank's segment files (and their temps) that its manifest on disk does not name. For
-    the rank's writer only, at open and close (so never under a reader of the manifest it wrote last)."""
+    the rank's writer only, at open and close (a reader that read an older manifest, naming one of
+    them, reads the manifest again)."""
     folder = root / SEGMENT_DIR
     if not folder.is_dir():
         return
@@ -413,7 +414,14 @@ def remove_unlisted_segments(root: Path, rank: int) -> None:
         logger.debug("gradient store %s: could not remove stray segments of rank %d: %s", root, rank, e)
         return
     for path in stray:
-        _remove_debris(path)
+        try:
+            os.remove(path)
+            logger.info("gradient store %s: removed %s, which the manifest of rank %d no longer names",
+                        root, path.name, rank)
+        except FileNotFoundError:
+            pass
+        except OSError as e:    # e.g. a read-only mount: harmless, nothing reads an unnamed block
+            logger.debug("gradient store %s: could not remove %s: %s", root, path, e)
 
 
 LOCK_WAIT_S = 5.0
