@@ -258,7 +258,8 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ShardInfo":
-        return cls(**{k: data[k] for k in ("file", "rank", "seq", "num_rows", "step_min", "step_max", "bytes")})
+        return cls(data["file"], data["rank"], data["seq"], data["num_rows"], data["step_min"], data["step_max"],
+                   data["bytes"])
 
 
 def shard_name(rank: int, seq: int) -> str:

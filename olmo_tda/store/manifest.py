@@ -317,7 +317,8 @@ def _parse_shards(entries: list[Any], what: str, state: RankState, damaged, seq_
         if not isinstance(entry, dict):
             raise damaged(f"{what}[{i}]", f"must be a JSON object, got {entry!r}")
         for key in _SHARD_FIELDS[1:]:
-            if not _is_count(entry.get(key)):
+            value = entry.get(key)
+            if type(value) is not int or value < 0:      # _is_count, inline: opening a long run's store
                 raise damaged(f"{what}[{i}].{key}", f"must be an int >= 0, got {entry.get(key, '<absent>')!r}")
         if entry["rank"] != rank:
             raise damaged(f"{what}[{i}].rank", f"must be {rank} (the manifest's rank), got {entry['rank']!r}")
@@ -550,9 +551,10 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
                              "stop it first") from exc
         _quarantine(root, rel, str(exc.__cause__ or exc))
 
+    root_text = os.fspath(root)
     for seq, info in sorted(state.shards.items()):
-        path = root / info.file
-        if seq not in on_disk and path.exists():
+        path = os.path.join(root_text, info.file)     # a str: Path arithmetic was a third of a long open
+        if seq not in on_disk and os.path.exists(path):
             on_disk[seq] = info.file    # renamed into place after shards/ was listed (a live writer)
         if seq not in on_disk and not may_modify and _unlisted_now(root, state.rank, seq):
             del state.shards[seq]       # its live writer's truncate_after removed it after we read the manifest
@@ -570,7 +572,7 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
             changed = True
             continue
         try:
-            size = path.stat().st_size
+            size = os.stat(path).st_size
         except FileNotFoundError:  # vanished under us (a concurrent truncate of a live rank)
             del state.shards[seq]
             changed = True
