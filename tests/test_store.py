@@ -1129,26 +1129,31 @@ def zygote():
     z.close()
 
 
+def sigkill_append_loop(zygote, path, rng, next_step, trial, **task):
+    """One random-SIGKILL trial: an append loop resumed a little before ``next_step`` (as a restarted
+    run would: overlap is skipped), killed at a random moment; the store must hold whole steps, bit-exact,
+    no debris. Returns the durable steps."""
+    pid = zygote.start("append_loop", path=str(path), start_step=max(0, next_step - 3), step_sleep=0.002, **task)
+    zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "ready")
+    time.sleep(rng.uniform(0.0, 0.25))
+    os.kill(pid, signal.SIGKILL)
+    status = zygote.wait_exit(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    store = GradientStore.open(path)
+    assert tmp_files(path) == [], f"trial {trial}"
+    steps = check_worker_rows(store)
+    # windows are durable in order, so the durable steps are a prefix 0..max without gaps
+    assert steps == set(range(len(steps))), f"trial {trial}: gaps in {sorted(steps)}"
+    return steps
+
+
 def test_sigkill_at_random_moments_never_leaves_partial_or_duplicate_rows(tmp_path, zygote):
     path = tmp_path / "s"
     GradientStore.create(path, META, StoreConfig()).close()
     rng = random.Random(1234)
     next_step = 0
     for trial in range(12):
-        # resume a little before the last durable step, as a restarted run would: overlap is skipped
-        start = max(0, next_step - 3)
-        pid = zygote.start("append_loop", path=str(path), start_step=start, flush_every=2, step_sleep=0.002)
-        zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "ready")
-        time.sleep(rng.uniform(0.0, 0.25))
-        os.kill(pid, signal.SIGKILL)
-        status = zygote.wait_exit(pid)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        store = GradientStore.open(path)
-        assert tmp_files(path) == [], f"trial {trial}"
-        steps = check_worker_rows(store)
-        # windows are durable in order, so the durable steps are a prefix 0..max without gaps
-        assert steps == set(range(len(steps))), f"trial {trial}: gaps in {sorted(steps)}"
-        next_step = len(steps)
+        next_step = len(sigkill_append_loop(zygote, path, rng, next_step, trial, flush_every=2))
     assert next_step > 4  # the children did make progress
     # a final writer in this process continues the sequence with overlap
     with GradientStore.create(path, META, StoreConfig(flush_every=2)) as w:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,8 @@ import _store_kill_worker as worker
 from olmo_tda.config import StoreConfig
 from olmo_tda.store import GradientStore, StoreCorruptError, StoreError
 from olmo_tda.store import manifest as manifest_module
-from test_store import META, Zygote, check_worker_rows, expected_rows, random_records, rows_of, tmp_files
+from test_store import (META, Zygote, check_worker_rows, expected_rows, random_records, rows_of,
+                        sigkill_append_loop)
 
 SEAL = 4
 
@@ -244,19 +243,8 @@ def test_sigkill_at_random_moments_with_blocks_sealing_keeps_every_durable_row(t
     rng = random.Random(99)
     next_step = 0
     for trial in range(8):
-        start = max(0, next_step - 3)
-        pid = zygote.start("append_loop", path=str(path), start_step=start, flush_every=1, step_sleep=0.002,
-                           seal=2)
-        zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "ready")
-        time.sleep(rng.uniform(0.0, 0.25))
-        os.kill(pid, signal.SIGKILL)
-        assert os.WIFSIGNALED(zygote.wait_exit(pid))
-        store = GradientStore.open(path)
-        assert tmp_files(path) == [], f"trial {trial}"
-        steps = check_worker_rows(store)
-        assert steps == set(range(len(steps))), f"trial {trial}: gaps in {sorted(steps)}"
+        next_step = len(sigkill_append_loop(zygote, path, rng, next_step, trial, flush_every=1, seal=2))
         assert set(named_segments(path)) <= set(segment_files(path))
-        next_step = len(steps)
     assert next_step > 8 and len(manifest(path)["segments"]) >= 3
     monkeypatch.setattr(manifest_module, "SEAL_SHARDS", 2)
     with GradientStore.create(path, META, StoreConfig(flush_every=1)) as w:
