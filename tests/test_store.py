@@ -678,6 +678,42 @@ def test_one_large_step_spans_shards_by_flush_mb_and_duplicates_are_found_across
     assert sorted(GradientStore.open(path).read_all().ids.tolist()) == [12, 13, 14]
 
 
+def test_the_key_index_finds_each_steps_ids_and_forgets_shards_cut_since(tmp_path, monkeypatch):
+    """What a writer's duplicate check sees at a step, against the rows read back: every rank's
+    shards whose step range covers it, shards added after the first lookup included. A shard another
+    rank's writer removed after this writer read its index (both resuming) holds nothing, and is not
+    opened again at every later step of the replay."""
+    from olmo_tda.store import keys as keys_module
+
+    path = tmp_path / "s"
+    for rank, every in ((0, 3), (1, 2)):
+        recs = random_records(range(12), seed=20 + rank)
+        for r in recs:
+            r.ids += 1000 * rank
+        with GradientStore.create(path, META, StoreConfig(flush_every=every), rank=rank) as w:
+            for r in recs:
+                w.append(r)
+    store = GradientStore.open(path)
+    block = store.read_all()
+    truth = lambda step: sorted(block.ids[block.steps == step].tolist())   # noqa: E731
+    index = keys_module.KeyIndex(path, store.shards[:-1], cache_shards=2)
+    assert index.ids_at(13).tolist() == []
+    assert index.ids_at(11).tolist() == [i for i in truth(11) if i < 1000]   # rank 1's last shard not in it
+    last = store.shards[-1]                                # as a writer adds the shard it flushed
+    index.add(last, {step: np.array([i for i in truth(step) if i >= 1000]) for step in (last.step_min, last.step_max)})
+    for step in range(12):
+        assert index.ids_at(step).tolist() == truth(step)
+    cut = [s for s in store.shards[:-1] if s.rank == 1 and s.step_min >= 4]
+    for info in cut:
+        (path / info.file).unlink()                        # rank 1's resume cut them after the index was read
+    looked, exists = [], os.path.exists
+    monkeypatch.setattr(keys_module.os.path, "exists", lambda p: looked.append(os.fspath(p)) or exists(p))
+    for _ in range(2):
+        for step in range(4, 10):
+            assert index.ids_at(step).tolist() == [i for i in truth(step) if i < 1000]
+    assert sum(info.file in p for info in cut for p in looked) == len(cut)    # each looked for once
+
+
 def test_a_step_revisited_inside_one_window_still_finds_its_buffered_keys(tmp_path):
     """Steps 5, 6, 5 in one window: returning to step 5 rebuilds its keys from the window."""
     records = random_records([5, 6, 5], rows_per_step=3, seed=13)
@@ -840,6 +876,54 @@ def test_a_writer_waits_out_another_ranks_brief_scan_of_its_lock(tmp_path):
     t0 = time.monotonic()
     GradientStore.create(path, META, StoreConfig()).close()
     assert time.monotonic() - t0 >= 0.25
+
+
+@pytest.mark.parametrize("opener", ["writer", "reader"])
+def test_another_ranks_open_never_holds_a_ranks_lock_through_its_scan(tmp_path, monkeypatch, opener):
+    """All ranks of a resumed run open at once, and a scan of a long run's rank takes long (its
+    manifest, segments, a stat a shard; seconds on a parallel filesystem): rank 0's writer must not
+    wait that out, let alone be refused after LOCK_WAIT_S, while rank 1's writer (or a reader) is
+    in the middle of reading rank 0. Rank 1's writer does not stat rank 0's shards either."""
+    path = tmp_path / "s"
+    write_store(path, random_records(range(4)), flush_every=1)
+    rec = random_records([0], seed=3)[0]
+    rec.ids += 1000
+    with GradientStore.create(path, META, StoreConfig(), rank=1) as w:
+        w.append(rec)
+    monkeypatch.setattr(manifest_module, "LOCK_WAIT_S", 0.3)
+    reading, release = threading.Event(), threading.Event()
+    read_manifest, stat = manifest_module.read_manifest, os.stat
+    stats: list[str] = []
+
+    def slow_read(root, rank):            # rank 1's open pauses while it reads rank 0
+        if rank == 0 and threading.current_thread().name == "other":
+            reading.set()
+            release.wait(10)
+        return read_manifest(root, rank)
+
+    def counting_stat(p, *args, **kwargs):
+        if threading.current_thread().name == "other":
+            stats.append(os.fspath(p))
+        return stat(p, *args, **kwargs)
+
+    monkeypatch.setattr(manifest_module, "read_manifest", slow_read)
+    monkeypatch.setattr(manifest_module.os, "stat", counting_stat)
+    opened: list = []
+    other = threading.Thread(name="other", target=lambda: opened.append(
+        GradientStore.create(path, META, StoreConfig(), rank=1) if opener == "writer" else GradientStore.open(path)))
+    other.start()
+    try:
+        assert reading.wait(10)
+        GradientStore.create(path, META, StoreConfig()).close()    # rank 0's writer, meanwhile
+    finally:
+        release.set()
+        other.join(10)
+    if opener == "writer":
+        opened[0].close()
+        assert not [p for p in stats if "r00000-" in p]            # no stat of rank 0's shards
+    else:
+        assert opened[0].num_rows == 15
+        assert sum("r00000-" in p for p in stats) == 4              # a reader checks every shard's size
 
 
 def test_second_writer_of_the_same_rank_is_refused_and_ranks_are_independent(tmp_path, monkeypatch):

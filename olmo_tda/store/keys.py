@@ -9,6 +9,7 @@ shards and records that step spans (a post-hoc capture appends every example at 
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -33,11 +34,14 @@ class KeyIndex:
         self._root = root
         self._shards = list(shards)
         self._max_step = max((s.step_max for s in self._shards), default=None)
+        self._ranges: np.ndarray | None = None    # [2, len(_shards)] step_min, step_max; built when needed
         self._cache: OrderedDict[str, dict[int, np.ndarray]] = OrderedDict()
         self._cache_shards = cache_shards
 
     def add(self, info: ShardInfo, keys: dict[int, np.ndarray]) -> None:
         self._shards.append(info)
+        if self._ranges is not None:
+            self._ranges = np.concatenate([self._ranges, [[info.step_min], [info.step_max]]], axis=1)
         self._max_step = info.step_max if self._max_step is None else max(self._max_step, info.step_max)
         self._remember(info.file, keys)
 
@@ -45,23 +49,38 @@ class KeyIndex:
         """Sorted unique ids stored at ``step``."""
         if self._max_step is None or step > self._max_step:
             return _EMPTY_IDS
-        parts = []
-        for info in self._shards:
-            if info.step_min <= step <= info.step_max:
-                keys = self._keys(info)
-                if step in keys:
-                    parts.append(keys[step])
+        if self._ranges is None:
+            # a resumed run's replayed steps look here once each, over every rank's shards (tens of
+            # thousands in a long multi-rank run): one vector compare, not a Python loop over them
+            self._ranges = np.array([[s.step_min for s in self._shards], [s.step_max for s in self._shards]],
+                                    dtype=np.int64).reshape(2, -1)
+        parts, gone = [], []
+        for k in np.flatnonzero((self._ranges[0] <= step) & (step <= self._ranges[1])).tolist():
+            keys = self._keys(self._shards[k])
+            if keys is None:
+                gone.append(k)
+            elif step in keys:
+                parts.append(keys[step])
+        if gone:
+            # shard names are never reused and a truncation replaces a file in one rename: a shard
+            # that is not there is gone for good (another rank's writer, resuming too, cut it after
+            # this writer read its index), and its step range must not send every later lookup to it
+            self._ranges[:, gone] = [[1], [0]]         # an empty range
         return np.unique(np.concatenate(parts)) if parts else _EMPTY_IDS
 
-    def _keys(self, info: ShardInfo) -> dict[int, np.ndarray]:
+    def _keys(self, info: ShardInfo) -> dict[int, np.ndarray] | None:
+        """The shard's ids by step; None if its file is gone."""
         if info.file in self._cache:
             self._cache.move_to_end(info.file)
             return self._cache[info.file]
+        path = os.path.join(self._root, info.file)
         try:
-            with open_h5(self._root / info.file) as f:
+            if not os.path.exists(path):    # HDF5 takes ~30x a stat to fail on a missing file
+                return None
+            with open_h5(path) as f:
                 keys = _group_by_step(f["ids"][:], f["steps"][:])
         except FileNotFoundError:  # another rank truncated it since we scanned
-            keys = {}
+            return None
         self._remember(info.file, keys)
         return keys
 

@@ -22,11 +22,15 @@ speed; **the shard files are the truth**. :func:`scan_store` reconciles the two:
   ``locks/r{rank}.lock`` flock can be taken), so opening a store never disturbs a live writer.
 
 Opening is safe while writers append or truncate. ``shards/`` is listed before the manifests are read,
-so for a rank whose writer is live (its lock cannot be taken) a shard that its manifest lists but the
-listing missed is looked up again (renamed into place after the listing); one that is not there is
-dropped if the manifest, read again, no longer lists it (``truncate_after`` updates the manifest before
-it deletes files); and a listed file that is gone by the time it is read is simply gone. A shard that
-the manifest still lists and that is not on disk is an error, live writer or not.
+so for a rank that is not the opener's own (its writer may be live) a shard that its manifest lists
+but the listing missed is looked up again (renamed into place after the listing); one that is not
+there is dropped if the manifest, read again, no longer lists it (``truncate_after`` updates the
+manifest before it deletes files); and a listed file that is gone by the time it is read is simply
+gone. A shard that the manifest still lists and that is not on disk is an error, live writer or not.
+Another rank's lock is taken only to delete its dead writer's debris, never held through the
+reconcile (unless repairing): a resuming run's ranks all open at once, and each one's writer waits
+for its own lock (``LOCK_WAIT_S``) while other ranks' opens would hold it for a long scan each.
+A writer does not stat other ranks' shards (their entries only feed its duplicate check).
 """
 
 from __future__ import annotations
@@ -533,8 +537,10 @@ def _quarantine(root: Path, rel: str, reason: str) -> None:
 
 
 def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, layer_shapes, dtype,
-                    repair: bool, may_modify: bool) -> bool:
-    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed."""
+                    repair: bool, may_modify: bool, check_sizes: bool = True) -> bool:
+    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed.
+    ``check_sizes=False``: a listed shard that is on disk is taken as listed, without a stat (its
+    entry may then be one a crash during ``truncate_after`` left stale until its writer reopens)."""
     changed = False
     on_disk = dict(on_disk)
 
@@ -570,6 +576,8 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
                           RuntimeWarning, stacklevel=3)
             del state.shards[seq]
             changed = True
+            continue
+        if not check_sizes:
             continue
         try:
             size = os.stat(path).st_size
@@ -625,8 +633,10 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
     """Read every rank's manifest and reconcile it with the shard files (see the module docstring).
 
     ``own_rank``: the caller is that rank's writer and already holds its lock; its manifest is
-    rewritten if reconciliation changed it. Other ranks' manifests are rewritten only under
-    ``repair=True`` (and only if their writer is gone). Returns rank -> :class:`RankState`.
+    rewritten if reconciliation changed it, and other ranks' shards are not stat'ed (their entries
+    only feed its duplicate check). Other ranks' manifests are rewritten only under ``repair=True``
+    (and only if their writer is gone); without it, their locks are held only while a dead writer's
+    temp files are removed. Returns rank -> :class:`RankState`.
     """
     shard_dir = root / SHARD_DIR
     files: dict[int, dict[int, str]] = {}
@@ -656,6 +666,24 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
 
     states: dict[int, RankState] = {}
     for rank in sorted(set(files) | manifests | set(tmps)):
+        if rank != own_rank and not repair:
+            # Another rank, read only: its lock is taken just to remove a dead writer's debris, never
+            # held through the reconcile (that rank's own writer, resuming now, waits for the lock:
+            # with every rank of a large run opening at once it would wait out LOCK_WAIT_S), and the
+            # reconcile is the one that tolerates a live writer (a truncation racing this scan).
+            if tmps.get(rank) and (lock := RankLock.try_acquire(root, rank)) is not None:
+                try:
+                    for tmp in tmps[rank]:
+                        _remove_debris(tmp)
+                finally:
+                    lock.release()
+            state = read_manifest(root, rank) or RankState(rank=rank)
+            # a writer's view of another rank only feeds its duplicate check: no stat of every shard
+            _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes, dtype=dtype,
+                            repair=False, may_modify=False, check_sizes=own_rank is None)
+            if state.shards or rank in manifests:
+                states[rank] = state
+            continue
         lock = None if rank == own_rank else RankLock.try_acquire(root, rank)
         may_modify = rank == own_rank or lock is not None
         try:
