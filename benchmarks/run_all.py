@@ -34,6 +34,7 @@ OTHERS = {
     "store_read": ["--quick"],
     "store_append": ["--quick"],
     "store_open": ["--sizes", "200,800", "--rounds", "3"],
+    "store_resume": ["--ranks", "4", "--shards", "300", "--rounds", "2", "--stagger-ms", "20"],
     "fidelity_bytes": ["--quick"],
     "projection_fidelity": [],
     "tied_head_fidelity": [],

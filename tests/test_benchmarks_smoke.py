@@ -181,6 +181,19 @@ def test_store_open_runs():
         assert out.returncode != 0 and error in out.stderr
 
 
+def test_store_resume_runs(tmp_path):
+    res = _last_json("store_resume.py", "--ranks", "2", "--shards", "6", "--rounds", "1", "--stagger-ms", "5",
+                     "--work-dir", str(tmp_path))
+    assert res["benchmark"] == "store_resume" and res["failures"] == 0 and res["ranks"] == 2
+    assert res["together_ms_median"] > 0 and res["alone_ms"] > 0 and res["replay_ms_per_step"] > 0
+    assert not any(tmp_path.iterdir())                                   # store and its copy removed
+    kept = tmp_path / "kept"
+    _last_json("store_resume.py", "--ranks", "2", "--shards", "3", "--rounds", "1", "--store", str(kept))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_resume.py"), "--ranks", "3",
+                          "--shards", "3", "--store", str(kept)], capture_output=True, text=True)
+    assert out.returncode != 0 and "holds ranks [0, 1] and 6 shards, not 3 x 3" in out.stderr
+
+
 def test_store_append_runs(tmp_path):
     res = _last_json("store_append.py", "--n", "320", "--rounds", "1", "--k", "12", "--peak-mb", "8",
                      "--work-dir", str(tmp_path))
