@@ -170,6 +170,39 @@ def test_worker_reports_a_failure_with_its_reason(workdir, tmp_path):
     assert rc == 1 and not res["ok"] and "no in-loop capture" in res["error"]
 
 
+def test_the_gpu_run_is_refused_without_cuda_and_only_device_aware_adapters_run_off_cpu(tmp_path, monkeypatch):
+    """``--device cuda`` (benchmarks/peers/gpu_check.sh on a lent GPU) needs a CUDA torch; off CPU
+    only olmo_tda and dattri-llm run, the other peers' rows say their adapter is CPU-only; ``--here``
+    takes a peer from this interpreter (any torch), and a missing one is a failed row with the reason."""
+    import run as peers
+    import venvs
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            peers.main(["--device", "cuda", "--systems", "olmo_tda"])
+    with pytest.raises(SystemExit):
+        peers.main(["--device", "tpu", "--systems", "olmo_tda"])
+    # worker.py silences warnings and logging process-wide: asked in a child of its own
+    code = (f"import sys; sys.path.insert(0, {str(PEERS)!r}); import worker, workload\n"
+            "gpu, cpu = workload.Workload(device='cuda'), workload.Workload()\n"
+            "for s in ('olmo_tda', 'dattri_llm'): worker._on_device(s, gpu)\n"
+            "worker._on_device('traker', cpu)\n"
+            "worker._on_device('traker', gpu)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "NotImplementedError: traker: this benchmark's adapter runs on CPU only" in r.stderr
+    monkeypatch.setitem(venvs.PEERS, "fake", ("json", "no-such-dist-for-here", []))
+    assert not venvs.here("fake")["ok"] and "no-such-dist-for-here" in venvs.here("fake")["reason"]
+    monkeypatch.setitem(venvs.PEERS, "fake", ("pytest", "pytest", []))
+    here = venvs.here("fake")                 # this torch need not be the pinned CPU build here
+    assert here["ok"] and here["python"] == sys.executable and here["version"] == pytest.__version__
+    # the workload on CPU round-trips its device; an older workload.json without it reads as cpu
+    TINY.save(tmp_path / "w.json")
+    data = json.loads((tmp_path / "w.json").read_text())
+    assert data.pop("device") == "cpu"
+    (tmp_path / "w.json").write_text(json.dumps(data))
+    assert W.Workload.load(tmp_path / "w.json") == TINY
+
+
 def test_missing_peer_becomes_a_failed_row():
     import run as peers
     import venvs

@@ -3,6 +3,7 @@
     python benchmarks/peers/run.py              # 3 interleaved repeats; table, then one JSON line
     python benchmarks/peers/run.py --quick      # 1 repeat, 512 train examples
     python benchmarks/peers/run.py --arch olmo  # the same on ai2-olmo's OLMo model instead
+    python benchmarks/peers/run.py --here --device cuda --systems olmo_tda,dattri_llm   # on a GPU
     python -m benchmarks.run_all                # both, and docs/BENCHMARKS.md regenerated
 
 Each peer runs in its own venv (made by ``venvs.py``), as a fresh process per measurement, on the
@@ -23,6 +24,10 @@ For each system:
 
 Repeats are interleaved: repeat r runs the systems in an order rotated by r, and the table shows
 medians over repeats. Ratios are olmo_tda's number against each peer's, measured in the same run.
+
+``--device cuda`` puts the model, data and exact scores on the GPU; only olmo_tda and dattri-llm
+have adapters that run there (the others' rows say so). ``--here`` runs every system in this
+interpreter instead of its venv (a machine without a package index: ``benchmarks/peers/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ def summarize(systems: list[str], attr: dict, loop: dict, spearman: dict, status
             row.update(examples_per_s=_median(ok, "examples_per_s"), query_s=_median(ok, "query_s"),
                        bare_pass_examples_per_s=_median(ok, "bare_pass_examples_per_s"),
                        bytes_per_example=_median(ok, "bytes_per_example"), peak_rss_mb=_median(ok, "peak_rss_mb"),
+                       peak_cuda_mb=_median(ok, "peak_cuda_mb"),
                        spearman=spearman.get(s), settings=ok[0].get("settings"), repeats=len(ok),
                        requested=len(attr[s]), floats_per_example=ok[0].get("floats_per_example"))
             if len(ok) < len(attr[s]):      # medians of the repeats that ran: said in the row
@@ -142,7 +148,8 @@ def table(rows: dict) -> list[str]:
         label = r["label"] + (f" ({r['repeats']} of {r['requested']} repeats ran)" if partial else "")
         out.append(f"| {label} | {r['version'] or '—'} | {r['examples_per_s']:.0f} | {fmt(r.get('throughput_ratio'), '.1f')} "
                    f"| {ov} | {fmt(r.get('overhead_ratio'), '.1f')} | {r['bytes_per_example']:.0f} "
-                   f"| {r['query_s']:.2f} | {fmt(r.get('query_ratio'), '.1f')} | {r['peak_rss_mb']:.0f} "
+                   f"| {r['query_s']:.2f} | {fmt(r.get('query_ratio'), '.1f')} | {r['peak_rss_mb']:.0f}"
+                   + (f" (GPU {r['peak_cuda_mb']:.0f})" if r.get("peak_cuda_mb") is not None else "") + " "
                    f"| {fmt(r.get('spearman'), '.3f')} | {fmt(r.get('influence_spearman'), '.3f')} |")
     return out
 
@@ -194,8 +201,9 @@ def machine() -> dict:
                 break
     except OSError:
         pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "gpu": gpu, "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def losses(rows: dict) -> list[str]:
@@ -235,7 +243,9 @@ def markdown(result: dict) -> str:
     shapes = ", ".join(f"{k} {o}×{i}" for k, (o, i) in kinds.items())
     lines = [f"Command: `{result['command']}` ({result['repeats']} interleaved repeats, medians; "
              f"{result['seconds']:.0f} s).",
-             f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, {m['date']}.",
+             f"Machine: {m['cpu']}, {m['cores']} cores, " + (f"{m['gpu']} (device {w['device']}), "
+                                                              if w.get("device", "cpu") != "cpu" else "")
+             + f"Python {m['python']}, torch {m['torch']}, {m['date']}.",
              "",
              f"Workload: {model}, d_model {w['d_model']}, {w['n_layers']} blocks, vocab {w['vocab']}, "
              f"{len(layers)} bias-free nn.Linear layers scored ({shapes}); {w['n_train']} train and "
@@ -300,6 +310,11 @@ def main(argv=None) -> dict:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--arch", choices=ARCHS, default="linear",
                    help="the model: 'linear' (plain nn.Linear LM) or 'olmo' (ai2-olmo's OLMo, same size)")
+    p.add_argument("--n-layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (olmo_tda and dattri-llm only)")
+    p.add_argument("--here", action="store_true", help="run the peers in this interpreter, not their venvs")
+    p.add_argument("--skip-influence", action="store_true", help="no curvature (influence) pass")
     p.add_argument("--timeout", type=float, default=900, help="seconds per worker before it counts as failed")
     p.add_argument("--out", type=Path, default=None, help="also write the full result JSON here")
     args = p.parse_args(argv)
@@ -310,16 +325,24 @@ def main(argv=None) -> dict:
     if OURS not in systems:
         systems.insert(0, OURS)
     repeats = args.repeats or (1 if args.quick else 3)
+    if args.device != "cpu":
+        import torch
+
+        if not args.device.startswith("cuda") or not torch.cuda.is_available():
+            p.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device"
+                    if args.device.startswith("cuda") else f"--device must be cpu or cuda, not {args.device!r}")
     w = Workload()
     w = replace(w, n_train=args.n_train or (512 if args.quick else w.n_train), k=args.k or w.k,
-                d_model=args.d_model or w.d_model, seq_len=args.seq_len or w.seq_len, arch=args.arch)
+                d_model=args.d_model or w.d_model, seq_len=args.seq_len or w.seq_len, arch=args.arch,
+                n_layers=args.n_layers or w.n_layers, batch=args.batch or w.batch, device=args.device)
     t0 = time.perf_counter()
 
     status = {s: {"ok": True, "python": sys.executable, "version": _our_version()} for s in OUR_ROWS}
     for s in systems:
         if s in status:
             continue
-        status[s] = venvs.ensure(s, args.venvs, log=lambda m: print(m, file=sys.stderr))
+        status[s] = venvs.here(s) if args.here else venvs.ensure(s, args.venvs,
+                                                                   log=lambda m: print(m, file=sys.stderr))
         if status[s]["ok"] and w.arch == "olmo":
             # the peer's venv has no ai2-olmo: it imports it from a folder of its own (venvs.olmo_lib)
             lib = venvs.olmo_lib(args.venvs, log=lambda m: print(m, file=sys.stderr), python=status[s]["python"])
@@ -350,7 +373,7 @@ def main(argv=None) -> dict:
                     spear.setdefault(s, []).append(spearman_rows(np.load(out.with_suffix(".npy")), exact))
                 print(f"[peers] repeat {r} {s:12s} attr: " + (f"{res['examples_per_s']:.0f} ex/s, query "
                       f"{res['query_s']:.2f} s" if res.get("ok") else f"FAILED {res.get('error')}"), file=sys.stderr)
-            if r == 0:                # curvature scores are deterministic: one pass per system
+            if r == 0 and not args.skip_influence:     # curvature scores are deterministic: one pass each
                 for s in order:
                     out = Path(tmp) / f"{s}.infl.json"
                     res = run_worker(status[s]["python"], s, "infl", workdir, out, args.timeout,
@@ -380,7 +403,10 @@ def main(argv=None) -> dict:
     requested = ",".join(s.strip() for s in args.systems.split(",") if s.strip())
     flags = [("--quick", args.quick), ("--systems", requested != ",".join(SYSTEMS) and requested),
              ("--repeats", args.repeats), ("--n-train", args.n_train), ("--k", args.k),
-             ("--d-model", args.d_model), ("--seq-len", args.seq_len), ("--arch", w.arch != "linear" and w.arch)]
+             ("--d-model", args.d_model), ("--seq-len", args.seq_len), ("--n-layers", args.n_layers),
+             ("--batch", args.batch), ("--arch", w.arch != "linear" and w.arch),
+             ("--device", w.device != "cpu" and w.device), ("--here", args.here),
+             ("--skip-influence", args.skip_influence)]
     cmd = " ".join(["python benchmarks/peers/run.py",
                     *(flag if value is True else f"{flag} {value}" for flag, value in flags if value)])
     result = {"rows": rows, "headline": headline(rows), "workload": asdict(w), "machine": machine(),
@@ -392,7 +418,8 @@ def main(argv=None) -> dict:
         args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({**result["headline"], "repeats": repeats,
                       "systems": {s: {k: r.get(k) for k in ("ok", "examples_per_s", "overhead", "bytes_per_example",
-                                                            "query_s", "peak_rss_mb", "spearman", "error")}
+                                                            "query_s", "peak_rss_mb", "peak_cuda_mb", "spearman",
+                                                            "error")}
                                   for s, r in rows.items()}}))
     return result
 

@@ -88,7 +88,7 @@ def python_of(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def _probe(py: Path, module: str, dist: str) -> dict:
+def _probe(py: Path, module: str, dist: str, *, pinned_torch: bool = True) -> dict:
     code = ("import importlib.metadata as m, importlib.util as u, json, torch, {mod};"
             "print(json.dumps({{'version': m.version('{dist}'), 'torch': torch.__version__,"
             " 'torchvision': u.find_spec('torchvision') is not None}}))").format(mod=module, dist=dist)
@@ -98,9 +98,18 @@ def _probe(py: Path, module: str, dist: str) -> dict:
     info = json.loads(r.stdout.strip().splitlines()[-1])
     if info["torchvision"]:
         return {"ok": False, "reason": "torchvision got installed (it breaks the CPU torch import)", **info}
-    if not info["torch"].startswith("2.13.0"):
+    if pinned_torch and not info["torch"].startswith("2.13.0"):
         return {"ok": False, "reason": f"pip moved torch to {info['torch']}", **info}
     return {"ok": True, **info}
+
+
+def here(name: str) -> dict:
+    """Peer ``name`` as this interpreter imports it (no venv; e.g. a GPU machine without a package
+    index, its wheels installed beside this checkout): ``{"ok", "python", "version", ...}`` or
+    ``{"ok": False, "reason"}``. Any torch: the machine's own (a CUDA build) is the point there."""
+    module, dist, _ = PEERS[name]
+    status = _probe(Path(sys.executable), module, dist, pinned_torch=False)
+    return {**status, "python": sys.executable} if status["ok"] else status
 
 
 def ensure(name: str, root: Path = DEFAULT_DIR, *, log=print) -> dict:

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import (RELATIVE_DAMPING, Clock, dir_bytes, example_losses, linear_names, load,  # noqa: E402
-                      peak_rss_mb, threads, warm_up)
+                      peak_cuda_mb, peak_rss_mb, threads, warm_up)
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -108,7 +108,7 @@ def olmo_tda_attr(w, model, train, query, tmp: Path, *, eigen: bool = False, hea
             else {"method": "graddot"}
         res = attribute(GradientStore.open(tmp / "store"), qrec, top_k=100, return_scores=True, **method)
     order = np.argsort(res.all_ids)
-    scores = res.all_scores.numpy()[:, order]
+    scores = res.all_scores.cpu().numpy()[:, order]
     shapes = [(p.k_out, p.k_in) for p in cap.projectors.values()]
     floats = cap.floats_per_example
     cap.remove()
@@ -187,7 +187,8 @@ def _dattri_llm_args(w, tmp: Path):
     from dattri_llm import AttributionArguments
 
     return AttributionArguments(output_dir=str(tmp / "attr"), per_device_train_batch_size=w.batch,
-                                per_device_eval_batch_size=w.batch, use_cpu=True, dataloader_pin_memory=False)
+                                per_device_eval_batch_size=w.batch, use_cpu=w.device == "cpu",
+                                dataloader_pin_memory=False)
 
 
 def _dattri_llm_scores(w, score, train, query) -> np.ndarray:
@@ -195,7 +196,7 @@ def _dattri_llm_scores(w, score, train, query) -> np.ndarray:
     from dattri_llm import hash_batch
 
     tr_h = sum((hash_batch({"input_ids": train[lo:lo + w.batch]}) for lo in range(0, len(train), w.batch)), [])
-    return score.query(tr_h, hash_batch({"input_ids": query})).T.numpy()
+    return score.query(tr_h, hash_batch({"input_ids": query})).T.cpu().numpy()
 
 
 def dattri_llm_attr(w, model, train, query, tmp: Path) -> dict:
@@ -542,13 +543,24 @@ SYSTEMS = {
 }
 
 
+# the adapters that place their work on the model's device; the others are written for CPU
+ON_ANY_DEVICE = ("olmo_tda", "dattri_llm")
+
+
 # ---------------------------------------------------------------------------------------------------
+
+
+def _on_device(system: str, w) -> None:
+    if w.device != "cpu" and system not in ON_ANY_DEVICE:
+        raise NotImplementedError(f"{system}: this benchmark's adapter runs on CPU only (device {w.device}); "
+                                  f"on a GPU it compares {' and '.join(ON_ANY_DEVICE)}")
 
 
 def _scores_of(system: str, mode: str, workdir: Path, out: Path) -> tuple[dict, int, float]:
     """Run ``SYSTEMS[system][mode]`` on the workload, save its ``[Q, N]`` scores next to ``out``:
     ``(its other results, N, peak RSS in MB before it ran)``."""
     w, model, train, query = load(workdir)
+    _on_device(system, w)
     warm_up(model, train[:w.batch])
     base = peak_rss_mb()
     with tempfile.TemporaryDirectory(prefix=f"peers_{system}_{mode}_") as tmp:
@@ -565,11 +577,12 @@ def run_attr(system: str, workdir: Path, out: Path) -> dict:
     r, n, base = _scores_of(system, "attr", workdir, out)
     peak = peak_rss_mb()
     return {**r, "examples_per_s": n / r["train_s"], "bytes_per_example": r["store_bytes"] / n,
-            "peak_rss_mb": peak, "peak_over_model_mb": peak - base}
+            "peak_rss_mb": peak, "peak_over_model_mb": peak - base, "peak_cuda_mb": peak_cuda_mb()}
 
 
 def run_overhead(system: str, workdir: Path, out: Path, rounds: int = 6, block: int = 6) -> dict:
     w, model, train, _ = load(workdir)
+    _on_device(system, w)
     if "loop" not in SYSTEMS[system]:
         raise NotImplementedError(f"{system} has no in-loop capture: it only runs post hoc from a checkpoint")
     plain, captured = copy.deepcopy(model).train(), copy.deepcopy(model).train()
@@ -600,7 +613,7 @@ def run_overhead(system: str, workdir: Path, out: Path, rounds: int = 6, block: 
                     times[arm].append(c.seconds / block)
     med = {a: float(np.median(t)) for a, t in times.items()}
     return {"plain_step_s": med["plain"], "capture_step_s": med["capture"], "overhead": med["capture"] / med["plain"] - 1,
-            "samples": times, "peak_rss_mb": peak_rss_mb()}
+            "samples": times, "peak_rss_mb": peak_rss_mb(), "peak_cuda_mb": peak_cuda_mb()}
 
 
 def run_infl(system: str, workdir: Path, out: Path) -> dict:

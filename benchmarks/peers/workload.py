@@ -54,6 +54,9 @@ class Workload:
     seed: int = 0
     arch: str = "linear"
     """``"linear"`` (``TinyLM``) or ``"olmo"`` (``OLMoLM``: ai2-olmo's model)."""
+    device: str = "cpu"
+    """Where the model, the data and the exact ground truth live (``"cuda"``: only olmo_tda and
+    dattri-llm, whose adapters place their work on the model's device, run there)."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -178,8 +181,8 @@ def load(workdir: Path) -> tuple[Workload, nn.Module, torch.Tensor, torch.Tensor
     data = torch.load(workdir / "data.pt", weights_only=True)
     model = build_model(w)
     model.load_state_dict(torch.load(workdir / "model.pt", weights_only=True))
-    model.eval()
-    return w, model, data["train"], data["query"]
+    model.to(w.device).eval()
+    return w, model, data["train"].to(w.device), data["query"].to(w.device)
 
 
 def text_passages(seq_len: int, count: int, seed: int) -> torch.Tensor:
@@ -203,8 +206,8 @@ def prepare(workdir: Path, w: Workload) -> None:
     torch.manual_seed(w.seed)
     ids = text_passages(w.seq_len, w.n_train + w.n_query + w.warmup_steps * w.batch, w.seed)
     train, query = ids[:w.n_train], ids[w.n_train:w.n_train + w.n_query]
-    warm = ids[w.n_train + w.n_query:]
-    model = build_model(w)
+    warm = ids[w.n_train + w.n_query:].to(w.device)
+    model = build_model(w).to(w.device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for i in range(w.warmup_steps):
         batch = warm[i * w.batch:(i + 1) * w.batch]
@@ -213,13 +216,13 @@ def prepare(workdir: Path, w: Workload) -> None:
         opt.step()
     w.save(workdir / "workload.json")
     torch.save({"train": train, "query": query}, workdir / "data.pt")
-    torch.save(model.state_dict(), workdir / "model.pt")
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, workdir / "model.pt")
     mods = dict(model.named_modules())
     (workdir / "scored.json").write_text(json.dumps({n: list(mods[n].weight.shape) for n in linear_names(model)}))
     model.eval()
-    g_train, g_query = exact_gradients(model, train), exact_gradients(model, query)
-    np.save(workdir / "exact.npy", (g_query @ g_train.T).numpy())
-    np.save(workdir / "exact_influence.npy", exact_influence(model, g_train, g_query).numpy())
+    g_train, g_query = exact_gradients(model, train.to(w.device)), exact_gradients(model, query.to(w.device))
+    np.save(workdir / "exact.npy", (g_query @ g_train.T).cpu().numpy())
+    np.save(workdir / "exact_influence.npy", exact_influence(model, g_train, g_query).cpu().numpy())
 
 
 def exact_gradients(model: nn.Module, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
@@ -253,7 +256,7 @@ def exact_influence(model: nn.Module, g_train: torch.Tensor, g_query: torch.Tens
     The D_l×D_l inverse is applied exactly through Woodbury on the N×N Gram, in float64:
     ``(F + λI)⁻¹ = (I − Gᵀ (NλI + G Gᵀ)⁻¹ G) / λ``."""
     n = g_train.shape[0]
-    out = torch.zeros(g_query.shape[0], n, dtype=torch.float64)
+    out = torch.zeros(g_query.shape[0], n, dtype=torch.float64, device=g_train.device)
     lo = 0
     for name in linear_names(model):
         size = dict(model.named_modules())[name].weight.numel()
@@ -262,7 +265,8 @@ def exact_influence(model: nn.Module, g_train: torch.Tensor, g_query: torch.Tens
         gram = g @ g.T
         lam = RELATIVE_DAMPING * float(torch.trace(gram)) / n / size
         a = q @ g.T
-        out += (a - a @ torch.linalg.solve(n * lam * torch.eye(n, dtype=torch.float64) + gram, gram)) / lam
+        eye = torch.eye(n, dtype=torch.float64, device=g.device)
+        out += (a - a @ torch.linalg.solve(n * lam * eye + gram, gram)) / lam
     return out.float()
 
 
@@ -310,14 +314,29 @@ def dir_bytes(path: Path) -> int:
 
 
 class Clock:
-    """Wall seconds of a ``with`` block."""
+    """Wall seconds of a ``with`` block (on a GPU: from and to a synchronized device, so kernels
+    queued inside the block are counted in it)."""
 
     def __enter__(self) -> "Clock":
+        _sync()
         self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
+        _sync()
         self.seconds = time.perf_counter() - self.t0
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def peak_cuda_mb() -> float | None:
+    """Peak CUDA memory allocated by this process (None without CUDA in use)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
 def threads() -> None:
