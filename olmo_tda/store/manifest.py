@@ -30,7 +30,6 @@ gone. A shard that the manifest still lists and that is not on disk is an error,
 Another rank's lock is taken only to delete its dead writer's debris, never held through the
 reconcile (unless repairing): a resuming run's ranks all open at once, and each one's writer waits
 for its own lock (``LOCK_WAIT_S``) while other ranks' opens would hold it for a long scan each.
-A writer does not stat other ranks' shards (their entries only feed its duplicate check).
 """
 
 from __future__ import annotations
@@ -537,10 +536,8 @@ def _quarantine(root: Path, rel: str, reason: str) -> None:
 
 
 def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, layer_shapes, dtype,
-                    repair: bool, may_modify: bool, check_sizes: bool = True) -> bool:
-    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed.
-    ``check_sizes=False``: a listed shard that is on disk is taken as listed, without a stat (its
-    entry may then be one a crash during ``truncate_after`` left stale until its writer reopens)."""
+                    repair: bool, may_modify: bool) -> bool:
+    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed."""
     changed = False
     on_disk = dict(on_disk)
 
@@ -576,8 +573,6 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
                           RuntimeWarning, stacklevel=3)
             del state.shards[seq]
             changed = True
-            continue
-        if not check_sizes:
             continue
         try:
             size = os.stat(path).st_size
@@ -633,8 +628,7 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
     """Read every rank's manifest and reconcile it with the shard files (see the module docstring).
 
     ``own_rank``: the caller is that rank's writer and already holds its lock; its manifest is
-    rewritten if reconciliation changed it, and other ranks' shards are not stat'ed (their entries
-    only feed its duplicate check). Other ranks' manifests are rewritten only under ``repair=True``
+    rewritten if reconciliation changed it. Other ranks' manifests are rewritten only under ``repair=True``
     (and only if their writer is gone); without it, their locks are held only while a dead writer's
     temp files are removed. Returns rank -> :class:`RankState`.
     """
@@ -678,9 +672,11 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                 finally:
                     lock.release()
             state = read_manifest(root, rank) or RankState(rank=rank)
-            # a writer's view of another rank only feeds its duplicate check: no stat of every shard
+            # each shard's size still checked: a departed rank's crash inside truncate_after leaves a
+            # manifest shorter than its file, which no writer of that rank will ever reconcile, and a
+            # resume on fewer ranks decides what to cut from these entries (departed_after)
             _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes, dtype=dtype,
-                            repair=False, may_modify=False, check_sizes=own_rank is None)
+                            repair=False, may_modify=False)
             if state.shards or rank in manifests:
                 states[rank] = state
             continue
