@@ -354,13 +354,18 @@ def main(argv=None) -> dict:
 
     attr: dict[str, list] = {s: [] for s in systems}
     loop: dict[str, list] = {}
+    def save_partial() -> None:
+        """The raw worker results so far: a run cut short (a device's time limit) still leaves them."""
+        if args.out:
+            args.out.write_text(json.dumps({"partial": True, "attr": attr, "loop": loop, "infl": infl}, default=str))
+
+    infl: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="olmo_tda_peers_") as tmp:
         workdir = Path(tmp) / "work"
         prepare(workdir, w)
         scored = json.loads((workdir / "scored.json").read_text())
         exact = np.load(workdir / "exact.npy")
         exact_infl = np.load(workdir / "exact_influence.npy")
-        infl: dict[str, dict] = {}
         spear: dict[str, list[float]] = {}
         for r in range(repeats):
             order = runnable[r % len(runnable):] + runnable[:r % len(runnable)]
@@ -371,6 +376,8 @@ def main(argv=None) -> dict:
                 attr[s].append(res)
                 if res.get("ok"):
                     spear.setdefault(s, []).append(spearman_rows(np.load(out.with_suffix(".npy")), exact))
+                    res["spearman"] = spear[s][-1]
+                save_partial()
                 print(f"[peers] repeat {r} {s:12s} attr: " + (f"{res['examples_per_s']:.0f} ex/s, query "
                       f"{res['query_s']:.2f} s" if res.get("ok") else f"FAILED {res.get('error')}"), file=sys.stderr)
             if r == 0 and not args.skip_influence:     # curvature scores are deterministic: one pass each
@@ -381,6 +388,7 @@ def main(argv=None) -> dict:
                     infl[s] = res
                     if res.get("ok"):
                         res["spearman"] = spearman_rows(np.load(out.with_suffix(".npy")), exact_infl)
+                    save_partial()
                     print(f"[peers] {s:12s} influence: " + (f"Spearman {res['spearman']:.3f}, {res['infl_s']:.2f} s"
                           if res.get("ok") else f"{res.get('error')}"), file=sys.stderr)
             for s in order:
@@ -390,6 +398,7 @@ def main(argv=None) -> dict:
                 res = run_worker(status[s]["python"], s, "overhead", workdir, out, args.timeout,
                                  status[s].get("olmo_lib"))
                 loop.setdefault(s, []).append(res)
+                save_partial()
                 print(f"[peers] repeat {r} {s:12s} loop: " + (f"overhead {res['overhead']:+.1%}" if res.get("ok")
                       else f"FAILED {res.get('error')}"), file=sys.stderr)
     rows = summarize(systems, attr, loop, {s: statistics.median(v) for s, v in spear.items()}, status)

@@ -96,7 +96,7 @@ def _probe(py: Path, module: str, dist: str, *, pinned_torch: bool = True) -> di
     if r.returncode != 0:
         return {"ok": False, "reason": f"import {module} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}"}
     info = json.loads(r.stdout.strip().splitlines()[-1])
-    if info["torchvision"]:
+    if pinned_torch and info["torchvision"]:      # a CUDA image's own torchvision matches its torch
         return {"ok": False, "reason": "torchvision got installed (it breaks the CPU torch import)", **info}
     if pinned_torch and not info["torch"].startswith("2.13.0"):
         return {"ok": False, "reason": f"pip moved torch to {info['torch']}", **info}
@@ -106,7 +106,8 @@ def _probe(py: Path, module: str, dist: str, *, pinned_torch: bool = True) -> di
 def here(name: str) -> dict:
     """Peer ``name`` as this interpreter imports it (no venv; e.g. a GPU machine without a package
     index, its wheels installed beside this checkout): ``{"ok", "python", "version", ...}`` or
-    ``{"ok": False, "reason"}``. Any torch: the machine's own (a CUDA build) is the point there."""
+    ``{"ok": False, "reason"}``. Any torch (the machine's own CUDA build is the point there), and
+    torchvision beside it is no harm there."""
     module, dist, _ = PEERS[name]
     status = _probe(Path(sys.executable), module, dist, pinned_torch=False)
     return {**status, "python": sys.executable} if status["ok"] else status
