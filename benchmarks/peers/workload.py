@@ -223,6 +223,9 @@ def prepare(workdir: Path, w: Workload) -> None:
     g_train, g_query = exact_gradients(model, train.to(w.device)), exact_gradients(model, query.to(w.device))
     np.save(workdir / "exact.npy", (g_query @ g_train.T).cpu().numpy())
     np.save(workdir / "exact_influence.npy", exact_influence(model, g_train, g_query).cpu().numpy())
+    if str(w.device).startswith("cuda"):
+        del g_train, g_query            # the workers share the GPU with this process: give back the
+        torch.cuda.empty_cache()        # exact gradients' tens of GB its allocator would keep
 
 
 def exact_gradients(model: nn.Module, ids: torch.Tensor, chunk: int = 64) -> torch.Tensor:
