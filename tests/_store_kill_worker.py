@@ -154,8 +154,9 @@ def task_one_step_loop(path: str, step: int, rows: int, flush_mb: float, start: 
     _event(event="closed")
 
 
-def task_truncate_crash(path: str, step: int) -> None:
-    """``truncate_after(step)``, SIGKILLed after the manifest is rewritten but before shard files change."""
+def task_truncate_crash(path: str, step: int, rank: int = 0) -> None:
+    """Rank ``rank``'s ``truncate_after(step)``, SIGKILLed after the manifest is rewritten but before
+    shard files change."""
     from olmo_tda.config import StoreConfig
     from olmo_tda.store import GradientStore, writer as wmod
 
@@ -165,7 +166,7 @@ def task_truncate_crash(path: str, step: int) -> None:
         real_write_manifest(root, state)
         _kill_self()
     wmod.write_manifest = write_manifest
-    store = GradientStore.create(path, META, StoreConfig(flush_every=2))
+    store = GradientStore.create(path, META, StoreConfig(flush_every=2), rank=rank)
     store.truncate_after(step)
     _event(event="survived")
 

@@ -918,21 +918,21 @@ def test_another_ranks_open_never_holds_a_ranks_lock_through_its_scan(tmp_path, 
         assert opened[0].num_rows == 15
 
 
-def test_a_departed_ranks_shard_left_long_by_a_crash_in_truncate_after_is_still_cut(tmp_path):
-    """A crash inside truncate_after between its manifest write and the rename of the cut shard leaves
+def test_a_departed_ranks_shard_left_long_by_a_crash_in_truncate_after_is_still_cut(tmp_path, zygote):
+    """A SIGKILL inside truncate_after between its manifest write and the rename of the cut shard leaves
     a manifest shorter than the file. A rank that is not in the resumed run never reopens to
-    reconcile it: the other ranks' writers must still read the file's rows (its size differs), or
-    the resume's departed_after finds nothing to cut and the abandoned rows stay (found in review)."""
+    reconcile it: the other ranks' writers must still read the file's rows (the manifest says a
+    truncation was under way), or the resume's departed_after finds nothing to cut and the abandoned
+    rows stay (found in review)."""
     path = tmp_path / "s"
     for rank in (0, 2):
         with GradientStore.create(path, META, StoreConfig(flush_every=10), rank=rank) as w:
             for step in range(10):
                 w.append(worker.make_record(step, ids=[1000 * rank + step]))
-    shard = path / next(s.file for s in GradientStore.open(path).shards if s.rank == 2)
-    before = shard.read_bytes()
-    with GradientStore.create(path, META, StoreConfig(), rank=2) as w:
-        assert w.truncate_after(5) == 4
-    shard.write_bytes(before)             # as if the crash came before the cut file's rename
+    pid = zygote.start("truncate_crash", path=str(path), step=5, rank=2)      # keeps 0-5 of its one shard
+    status = zygote.wait_exit(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert json.loads((path / "manifest-r00002.json").read_text())["truncating"] is True
     block = GradientStore.open(path).read_all()
     assert int(((block.ids >= 2000) & (block.steps > 5)).sum()) == 4      # the files are the truth
     with GradientStore.create(path, META, StoreConfig(), rank=0) as w0:
@@ -940,6 +940,68 @@ def test_a_departed_ranks_shard_left_long_by_a_crash_in_truncate_after_is_still_
         assert w0.truncate_departed(5, 2) == 4
     block = GradientStore.open(path).read_all()
     assert sorted(block.ids[block.ids >= 2000].tolist()) == [2000 + s for s in range(6)]
+    assert json.loads((path / "manifest-r00002.json").read_text())["truncating"] is False
+
+
+def test_a_writer_stats_another_ranks_shards_only_when_its_manifest_may_lag_its_files(tmp_path, monkeypatch):
+    """A resume of R ranks made every rank stat every rank's shards (R x all of them at once, on a
+    parallel filesystem's metadata server). A writer now takes another rank's entries as they are
+    unless that rank's manifest says a truncation was rewriting its shards, or predates the flag.
+    A reader still checks every shard (it reads their rows)."""
+    path = tmp_path / "s"
+    for rank in (0, 1):
+        recs = random_records(range(6), seed=30 + rank)
+        for r in recs:
+            r.ids += 1000 * rank
+        with GradientStore.create(path, META, StoreConfig(flush_every=2), rank=rank) as w:
+            for r in recs:
+                w.append(r)
+            assert w.truncate_after(4) == 3                   # shard of steps 4-5 rewritten: 4 kept
+    manifest = path / "manifest-r00001.json"
+    assert json.loads(manifest.read_text())["truncating"] is False
+    stat, stats = os.stat, []
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(os.fspath(p)) or stat(p, *a, **k))
+
+    def rank1_stats(open_it):
+        stats.clear()
+        open_it()
+        return sum("shards/r00001-" in p for p in stats)
+
+    assert rank1_stats(lambda: GradientStore.create(path, META, StoreConfig(), rank=0).close()) == 0
+    assert rank1_stats(lambda: GradientStore.open(path)) == 3
+    for flag in (True, None):                                   # None: a manifest from before the flag
+        data = json.loads(manifest.read_text())
+        if flag is None:
+            del data["truncating"]
+        else:
+            data["truncating"] = flag
+        manifest.write_text(json.dumps(data))
+        assert rank1_stats(lambda: GradientStore.create(path, META, StoreConfig(), rank=0).close()) == 3
+    data["truncating"] = "yes"
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(StoreCorruptError, match="manifest-r00001.json is damaged: truncating must be true or false"):
+        GradientStore.open(path)
+
+
+def test_a_damaged_shard_of_another_rank_is_named_when_a_replayed_step_needs_its_keys(tmp_path):
+    """A writer no longer stats other ranks' shards at open, so one damaged since (cut short on disk)
+    is found when a replayed step looks its keys up: the error names the shard and the repair."""
+    path = tmp_path / "s"
+    with GradientStore.create(path, META, StoreConfig(flush_every=2), rank=1) as w:
+        for r in random_records(range(4), seed=40):
+            r.ids += 1000
+            w.append(r)
+    shard = path / "shards/r00001-00000001.h5"                 # steps 2-3
+    shard.write_bytes(shard.read_bytes()[:200])
+    with GradientStore.create(path, META, StoreConfig(flush_every=1)) as w:     # rank 0 opens regardless
+        w.append(random_records([0], seed=41)[0])                                # step 0: rank 1's sound shard
+        w.flush()
+        w.append(random_records([2], seed=42)[0])
+        with pytest.raises(StoreWriteError) as info:
+            w.flush()
+    message = str(info.value)
+    assert str(shard) in message and "cannot be read for the duplicate check of step(s) 2..3" in message
+    assert "repair=True" in message
 
 
 def test_second_writer_of_the_same_rank_is_refused_and_ranks_are_independent(tmp_path, monkeypatch):

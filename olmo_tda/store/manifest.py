@@ -30,6 +30,8 @@ gone. A shard that the manifest still lists and that is not on disk is an error,
 Another rank's lock is taken only to delete its dead writer's debris, never held through the
 reconcile (unless repairing): a resuming run's ranks all open at once, and each one's writer waits
 for its own lock (``LOCK_WAIT_S``) while other ranks' opens would hold it for a long scan each.
+A writer stats another rank's shards only when that rank's manifest has ``truncating`` set (a
+crash inside ``truncate_after`` can leave its files longer than their entries) or lacks the flag.
 """
 
 from __future__ import annotations
@@ -129,18 +131,22 @@ class RankState:
     log_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     segments: list[Segment] = field(default_factory=list)
     """The sealed blocks as last written or read, by seq; shards outside them are listed in the manifest."""
+    truncating: bool | None = False
+    """True while ``truncate_after`` rewrites shards this manifest already lists shorter (a crash then
+    leaves files longer than their entries); None: read from a manifest written before the flag."""
 
     def copy(self) -> "RankState":
         return RankState(rank=self.rank, shards=dict(self.shards), counters=dict(self.counters),
                          next_seq=self.next_seq, truncations=list(self.truncations), log_id=self.log_id,
-                         segments=list(self.segments))
+                         segments=list(self.segments), truncating=self.truncating)
 
     def to_json(self, listed: list[int] | None = None) -> dict[str, Any]:
         """The manifest: ``listed`` shards (default all) and the segments, which hold the others."""
         listed = sorted(self.shards) if listed is None else listed
         out = {"format": FORMAT_NAME + ".manifest", "format_version": MANIFEST_VERSION if self.segments else 1,
                "rank": self.rank, "next_seq": self.next_seq, "counters": dict(self.counters),
-               "truncations": list(self.truncations), "log_id": self.log_id}
+               "truncations": list(self.truncations), "log_id": self.log_id,
+               "truncating": bool(self.truncating)}
         entries = [self.shards[s].to_json() for s in listed]
         if self.segments:
             out.update(shards=_V2_SHARDS, recent_shards=entries,
@@ -239,6 +245,9 @@ def _parse_manifest(data: Any, rank: int, path: Path, root: Path) -> RankState:
     state.log_id = data.get("log_id", LEGACY_LOG_ID)
     if not isinstance(state.log_id, str) or not state.log_id:
         raise damaged("log_id", f"must be a non-empty string, got {state.log_id!r}")
+    state.truncating = data.get("truncating")      # absent: written before the flag, so unknown
+    if state.truncating is not None and not isinstance(state.truncating, bool):
+        raise damaged("truncating", f"must be true or false, got {state.truncating!r}")
     list_key = "recent_shards" if version >= 2 else "shards"
     shards = data.get(list_key)
     if not isinstance(shards, list):
@@ -536,8 +545,9 @@ def _quarantine(root: Path, rel: str, reason: str) -> None:
 
 
 def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, layer_shapes, dtype,
-                    repair: bool, may_modify: bool) -> bool:
-    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed."""
+                    repair: bool, may_modify: bool, check_sizes: bool = True) -> bool:
+    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed.
+    ``check_sizes=False``: a listed shard found on disk is taken as listed, without a stat."""
     changed = False
     on_disk = dict(on_disk)
 
@@ -573,6 +583,8 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
                           RuntimeWarning, stacklevel=3)
             del state.shards[seq]
             changed = True
+            continue
+        if not check_sizes:
             continue
         try:
             size = os.stat(path).st_size
@@ -672,11 +684,15 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                 finally:
                     lock.release()
             state = read_manifest(root, rank) or RankState(rank=rank)
-            # each shard's size still checked: a departed rank's crash inside truncate_after leaves a
-            # manifest shorter than its file, which no writer of that rank will ever reconcile, and a
-            # resume on fewer ranks decides what to cut from these entries (departed_after)
+            # A writer stats another rank's shards only if that rank's manifest says a truncation was
+            # rewriting its shards (or predates the flag): then a crash can have left files longer
+            # than their entries, which no writer of a departed rank would ever reconcile, and a
+            # resume on fewer ranks decides from these entries what to cut. Otherwise the entries are
+            # what the files hold: a resume of R ranks need not make R x (every rank's shards) stats
+            # at once on a parallel filesystem. A reader stats them all (it reads their rows).
             _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes, dtype=dtype,
-                            repair=False, may_modify=False)
+                            repair=False, may_modify=False,
+                            check_sizes=own_rank is None or state.truncating is not False)
             if state.shards or rank in manifests:
                 states[rank] = state
             continue

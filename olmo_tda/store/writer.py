@@ -603,8 +603,9 @@ class StoreWriter:
         """Drop the rows of steps after ``step`` (window and this rank's shards); return how many.
 
         Memory changes only once the files have: the truncated index is built on a copy, then the
-        partial shards are rewritten under temp names, the manifest written, the rewritten shards
-        renamed into place and the dropped ones removed. A failure before the manifest changes
+        partial shards are rewritten under temp names, the manifest written (``truncating`` set if
+        any was rewritten), the rewritten shards renamed into place, the dropped ones removed, and
+        the manifest written again without the flag. A failure before the manifest changes
         nothing; one after it (the files half changed) re-indexes the affected shards from their
         files, so a later manifest never lists a missing file and duplicate checks see what is
         stored. Either way calling this again does what is left. A crash in between leaves files
@@ -624,6 +625,8 @@ class StoreWriter:
                                               self.dtype, self._config.compression))
             truncated = state.copy()
             truncated.truncations.append(int(step))
+            # set while the files lag the manifest: other ranks' writers then stat these shards
+            truncated.truncating = bool(prepared)
             for info in gone:
                 del truncated.shards[info.seq]
             for _, new in prepared:
@@ -640,6 +643,9 @@ class StoreWriter:
                 removed.append(info)
             if gone:
                 fsync_dir(self.path / SHARD_DIR)
+            if prepared:
+                truncated.truncating = False
+                write_manifest(self.path, truncated)
         except BaseException:
             for tmp, _ in prepared:  # committed ones are gone already; commit_shard removes a failed one
                 with contextlib.suppress(OSError):
