@@ -1004,6 +1004,70 @@ def test_a_damaged_shard_of_another_rank_is_named_when_a_replayed_step_needs_its
     assert "repair=True" in message
 
 
+def test_the_truncating_flag_is_cleared_by_the_ranks_own_reopen_and_kept_while_an_entry_may_lag(
+        tmp_path, zygote, monkeypatch):
+    """After a crash inside truncate_after the rank's own open reconciles every shard, so it clears the
+    flag (else every other rank's writer would stat its shards at every open for good). A failed
+    truncation whose rewritten shard could not be re-read keeps it set in what the writer writes next."""
+    path = tmp_path / "s"
+    flag = lambda: json.loads((path / "manifest-r00000.json").read_text())["truncating"]     # noqa: E731
+    with GradientStore.create(path, META, StoreConfig(flush_every=10)) as w:
+        for step in range(10):
+            w.append(worker.make_record(step))
+    pid = zygote.start("truncate_crash", path=str(path), step=5)
+    assert os.WIFSIGNALED(zygote.wait_exit(pid)) and flag() is True
+    GradientStore.create(path, META, StoreConfig()).close()
+    assert flag() is False and check_worker_rows(GradientStore.open(path)) == set(range(10))
+    real_commit = writer_module.commit_shard
+
+    def commit_then_fail(root, tmp, info):             # the rename went through, then an error
+        real_commit(root, tmp, info)
+        raise OSError(errno.EIO, "Input/output error")
+
+    w = GradientStore.create(path, META, StoreConfig(flush_every=10))
+    monkeypatch.setattr(writer_module, "commit_shard", commit_then_fail)
+    monkeypatch.setattr(writer_module, "read_shard_info", lambda *a: (_ for _ in ()).throw(StoreCorruptError("x")))
+    with pytest.raises(StoreWriteError, match="truncate_after"):
+        w.truncate_after(5)
+    w.append(worker.make_record(6))                    # the next manifest written says the entry may lag
+    w.flush()
+    w.close()
+    assert flag() is True
+    monkeypatch.undo()
+    GradientStore.create(path, META, StoreConfig()).close()
+    assert flag() is False and check_worker_rows(GradientStore.open(path)) == set(range(7))
+
+
+def test_a_flush_renamed_before_its_failure_is_cut_by_a_truncation_before_its_retry(tmp_path, monkeypatch):
+    """The shard of a flush that failed after its rename (the folder's fsync) sits at the next seq,
+    unindexed, its rows still in the window; a truncate_after before the retry must not leave the
+    file's later rows for the next open to adopt (found in review)."""
+    from olmo_tda.store import format as format_module
+
+    path = tmp_path / "s"
+    w = GradientStore.create(path, META, StoreConfig(flush_every=100))
+    for step in range(4):
+        w.append(worker.make_record(step))
+    w.flush()
+    for step in range(4, 8):
+        w.append(worker.make_record(step))
+    real = format_module.fsync_dir
+
+    def fail_on_shards(p):
+        if Path(p).name == "shards":
+            raise OSError(errno.EIO, "Input/output error")
+        real(p)
+
+    monkeypatch.setattr(format_module, "fsync_dir", fail_on_shards)
+    with pytest.raises(StoreWriteError):
+        w.flush()
+    monkeypatch.undo()
+    assert (path / "shards/r00000-00000001.h5").exists()
+    assert w.truncate_after(3) == 4 * worker.ROWS_PER_STEP
+    w.close()
+    assert check_worker_rows(GradientStore.open(path)) == set(range(4))
+
+
 def test_second_writer_of_the_same_rank_is_refused_and_ranks_are_independent(tmp_path, monkeypatch):
     monkeypatch.setattr(manifest_module, "LOCK_WAIT_S", 0.2)
     path = tmp_path / "s"

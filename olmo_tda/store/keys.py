@@ -82,11 +82,11 @@ class KeyIndex:
                 keys = _group_by_step(f["ids"][:], f["steps"][:])
         except FileNotFoundError:  # another rank truncated it since we scanned
             return None
-        except (OSError, KeyError, ValueError) as e:     # damaged since it was indexed (not stat'ed: keys only)
+        except (OSError, KeyError, ValueError, RuntimeError) as e:   # damaged since it was indexed?
             raise StoreCorruptError(
                 f"gradient store shard {path} cannot be read for the duplicate check of step(s) "
-                f"{info.step_min}..{info.step_max} ({type(e).__name__}: {e}); restore it, or open the store "
-                "with GradientStore.open(path, repair=True) to quarantine it") from e
+                f"{info.step_min}..{info.step_max} ({type(e).__name__}: {e}); if the file is damaged, restore "
+                "it, or open the store with GradientStore.open(path, repair=True) to quarantine it") from e
         self._remember(info.file, keys)
         return keys
 

@@ -31,7 +31,9 @@ Another rank's lock is taken only to delete its dead writer's debris, never held
 reconcile (unless repairing): a resuming run's ranks all open at once, and each one's writer waits
 for its own lock (``LOCK_WAIT_S``) while other ranks' opens would hold it for a long scan each.
 A writer stats another rank's shards only when that rank's manifest has ``truncating`` set (a
-crash inside ``truncate_after`` can leave its files longer than their entries) or lacks the flag.
+crash inside ``truncate_after`` can leave its files longer than their entries) or lacks the flag;
+a rank's own open reconciles all of its shards and clears it. For a writer, then, another rank's
+manifest stands for its files unless flagged; readers check every shard as above.
 """
 
 from __future__ import annotations
@@ -725,6 +727,12 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
             if kept is not None:
                 # its count holds the re-found shards' rows already (so not one written after it, if any)
                 state.counters["rows_written"] = written
+                changed = True
+            if state.truncating is not False and (rank == own_rank or (repair and may_modify)):
+                # reconciled in full just now (every shard stat'ed, a changed one re-read): the index
+                # is the files', so other ranks' writers need not stat them again (a crash inside
+                # truncate_after left it set; None: a manifest from before the flag)
+                state.truncating = False
                 changed = True
             if changed and may_modify and (rank == own_rank or repair):
                 try:

@@ -52,6 +52,7 @@ from .format import (
     prepare_shard,
     publish_json_once,
     read_shard_info,
+    shard_name,
     words_as_torch,
     write_shard,
 )
@@ -613,6 +614,13 @@ class StoreWriter:
         or not applied) and calling this again completes it.
         """
         state = self._state
+        # a failed flush whose shard was renamed into place before the failure (its folder's fsync)
+        # left that file at next_seq, unindexed; its rows are still in the window, which is retried
+        # under that name: remove it, or this cut would leave its later rows for the next open to adopt
+        stray = self.path / shard_name(self.rank, state.next_seq)
+        if stray.exists():
+            stray.unlink()
+            fsync_dir(stray.parent)
         gone = [info for info in state.shards.values() if info.step_min > step]
         partial = [info for info in state.shards.values() if info.step_min <= step < info.step_max]
         prepared: list[tuple[Path, ShardInfo]] = []
@@ -675,6 +683,9 @@ class StoreWriter:
             with contextlib.suppress(StoreError):  # unreadable now: the next open re-reads it anyway
                 fresh[info.seq] = read_shard_info(self.path, info.file, shapes, self.dtype)
         with self._mutex:
+            # an entry not re-read may describe more rows than its file now holds: the manifests
+            # this writer writes keep saying so, and other ranks' writers stat this rank's shards
+            self._state.truncating = len(fresh) < len(rewritten) or self._state.truncating is not False
             self._state.truncations.append(int(step))
             for info in removed:
                 del self._state.shards[info.seq]
