@@ -1029,11 +1029,13 @@ def test_the_truncating_flag_is_cleared_by_the_ranks_own_reopen_and_kept_while_a
     monkeypatch.setattr(writer_module, "read_shard_info", lambda *a: (_ for _ in ()).throw(StoreCorruptError("x")))
     with pytest.raises(StoreWriteError, match="truncate_after"):
         w.truncate_after(5)
-    w.append(worker.make_record(6))                    # the next manifest written says the entry may lag
+    monkeypatch.undo()
+    w.truncate_after(5)                                # a later truncation of this writer keeps it too
+    assert flag() is True
+    w.append(worker.make_record(6))                    # as does every manifest it writes
     w.flush()
     w.close()
     assert flag() is True
-    monkeypatch.undo()
     GradientStore.create(path, META, StoreConfig()).close()
     assert flag() is False and check_worker_rows(GradientStore.open(path)) == set(range(7))
 

@@ -633,8 +633,9 @@ class StoreWriter:
                                               self.dtype, self._config.compression))
             truncated = state.copy()
             truncated.truncations.append(int(step))
-            # set while the files lag the manifest: other ranks' writers then stat these shards
-            truncated.truncating = bool(prepared)
+            # set while the files lag the manifest: other ranks' writers then stat these shards (and
+            # kept from a failed truncation of this session, whose entries may lag until a reopen)
+            truncated.truncating = bool(prepared) or state.truncating is True
             for info in gone:
                 del truncated.shards[info.seq]
             for _, new in prepared:
@@ -652,7 +653,7 @@ class StoreWriter:
             if gone:
                 fsync_dir(self.path / SHARD_DIR)
             if prepared:
-                truncated.truncating = False
+                truncated.truncating = state.truncating is True
                 write_manifest(self.path, truncated)
         except BaseException:
             for tmp, _ in prepared:  # committed ones are gone already; commit_shard removes a failed one
