@@ -3,8 +3,8 @@
 A resumed run's ranks all open their writers on one store at the same moment. Each writer reads the
 other ranks' index too (its duplicate check covers their rows), so the cost grows with ranks x shards,
 and every rank's own writer must take its rank's lock, which another rank's open may be holding. This
-script grows a store of ``--ranks`` ranks with ``--shards`` shards each (tiny shards, as
-``store_open.py``: one step of 2 rows, 2 layers at k=4, so the shard count is what is measured), then
+script grows a store of ``--ranks`` ranks with ``--shards`` shards each (``store_open.py``'s tiny
+shards: one step of 2 rows, 2 layers at k=4, so the shard count is what is measured), then
 per round:
 
 - ``alone``: one rank's writer opened and closed with no other process on the store;
@@ -49,11 +49,10 @@ from olmo_tda.config import StoreConfig
 from olmo_tda.store import GradientStore
 from olmo_tda.store.record import GradientRecord
 
-K, ROWS = 4, 2
-LAYERS = ("a", "b")
-META = {"capture": {"proj_dim": K, "synthetic": "benchmarks/store_resume.py"},
-        "layers": [{"name": n, "shape": [K, K], "projector": {"kind": "synthetic"}} for n in LAYERS],
-        "projector_hash": "synthetic-store-resume-v1"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import store_open  # noqa: E402  - the same tiny shards as the single-rank benchmark
+
+META, ROWS = store_open.META, store_open.ROWS
 
 
 def grow(path: Path, rank: int, shards: int) -> None:
@@ -87,8 +86,10 @@ def open_writer(path: Path, rank: int) -> tuple[float, float]:
 
 
 def record(rank: int, step: int) -> GradientRecord:
-    grads = {n: torch.full((ROWS, K, K), float(step)) for n in LAYERS}
-    return GradientRecord(ids=torch.arange(ROWS) + rank * ROWS, step=step, lr=1e-3, loss_scale=1.0, grads=grads)
+    """``store_open``'s record of ``step``, with rank ``rank``'s own ids."""
+    r = store_open.record(step)
+    r.ids = r.ids + rank * ROWS
+    return r
 
 
 def replay(path: Path, ranks: int, shards: int) -> tuple[float, float]:
