@@ -389,6 +389,53 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
     assert bad.returncode == 2 and "unknown top-level keys ['stepz']" in bad.stderr
 
 
+def test_deepspeed_example_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpoint(tmp_path):
+    """torchrun --max_restarts=1: attempt 0's rank 1 dies in step 3 (rows of the first steps stored,
+    no checkpoint), torchrun restarts both ranks, and the restart starts the run over: it names
+    itself, drops the dead attempt's rows, and the store ends with each (id, step) of the script's
+    data order once. Another torchrun over that folder (a new agent: its restart 0) is refused."""
+    import json
+    import re
+
+    from olmo_tda.integrations import deepspeed_pretrain as script
+
+    run = tmp_path / "run"
+    overrides = [f"--run_dir={run}", "--model.d_model=32", "--model.embedding_size=257", "--data.seq_len=32",
+                 "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
+                 "--tda.capture.proj_dim=8", "--tda.store.flush_every=1", "--save_every=0", "--steps=3"]
+
+    def launch(max_restarts: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               f"--max_restarts={max_restarts}", str(HERE / "_restart_worker.py"), "deepspeed", str(DS_CONFIG),
+               *overrides]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                              env={**outside_slurm_env(), "OMP_NUM_THREADS": "1",
+                                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",    # see torchrun_restart_warning
+                                   "RESTART_TEST_SHARDS": str(run / "tda" / "store" / "shards")})
+
+    done = launch(max_restarts=1)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "rank 1 of attempt 0 dies now" in done.stderr
+    over = re.search(r"this is torchrun's restart 1 of its workers \(agent pid \d+ on .+\): starting it over "
+                     r"\(the (\d+) rows stored in (\S+) are dropped\)", done.stderr)
+    assert over is not None, done.stderr[-6000:]
+    assert int(over.group(1)) > 0 and over.group(2) == str(run / "tda" / "store")
+    attempt = json.loads((run / script.RUN_JSON).read_text())["attempt"]["torchrun"]
+    assert attempt["restart"] == 1 and attempt["agent_pid"] > 0
+    block = GradientStore.open(run / "tda" / "store").read_all(layers=[])
+    keys = list(zip(block.ids.tolist(), block.steps.tolist()))
+    num = int((run / "data" / "train.npy").stat().st_size // 2 // 32)
+    order = dict(world=2, micro_bs=2, gas=2, num=num, seed=0)
+    want = {(int(i), s) for s in range(1, 4) for r in range(2) for m in range(2)
+            for i in script.step_ids(s, r, m, **order)}
+    assert len(keys) == len(set(keys)) and set(keys) == want
+    (run / "summary.json").unlink()           # as a run stopped before its end leaves it
+    again = launch(max_restarts=0)
+    assert again.returncode != 0
+    assert f"error: run_dir: {run} has no checkpoint to resume from" in again.stderr, again.stderr[-4000:]
+    assert GradientStore.open(run / "tda" / "store").num_rows == len(keys)
+
+
 def test_deepspeed_zero3_trajectory_checkpoints_hold_the_gathered_weights(runs):
     """tda.trajectory under ZeRO-3 (zero.Init, bf16): checkpoint s holds θ_s, the full weights the
     worker gathered itself before step s+1; lr and tokens as the step used them."""

@@ -280,7 +280,8 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_di
     assert saved["finished"] == {"step": 2}
     store = (run_dir / "tda" / "store" / "store.json").read_bytes()
     ended = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
-    assert ended.returncode != 0 and "a requeue does not start a finished run over" in ended.stderr + ended.stdout
+    assert ended.returncode != 0
+    assert "a requeue of Slurm job 4242 (restart 1) does not start a finished run over" in ended.stderr + ended.stdout
     assert (run_dir / "tda" / "store" / "store.json").read_bytes() == store
     _as_stopped(run_dir)
     requeued = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
@@ -295,6 +296,44 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_di
     again = _train(args, env={**job, "SLURM_RESTART_COUNT": "1"})
     assert again.returncode != 0 and "no checkpoint to resume" in again.stderr + again.stdout
     assert (run_dir / "tda" / "store" / "store.json").read_bytes() == store
+
+
+def test_a_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpoint(data_dir):
+    """torchrun --max_restarts=1 on 2 ranks, no_pre_train_checkpoint and save_overwrite: false: attempt
+    0's rank 1 dies in step 3 with the rows of steps 1-2 stored and no checkpoint; torchrun restarts
+    both ranks and the restart starts the run over (its tda.yaml names the agent): the store ends with
+    each step's rows of OLMo's data order once. A new torchrun over the folder is refused."""
+    run_dir = data_dir / "run_torchrun_restart"
+    args = _overrides(data_dir, "run_torchrun_restart", 4, "--save_interval_unsharded=null", "--save_interval=null",
+                      "--no_pre_train_checkpoint=true", "--try_load_latest_save=true", "--save_overwrite=false",
+                      "--tda.store.flush_every=1")
+
+    def launch(max_restarts: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               f"--max_restarts={max_restarts}", str(ROOT / "tests" / "_restart_worker.py"), "olmo",
+               str(ROOT / "configs" / "demo_tiny.yaml"), *args]
+        # as torchrun must be run for restarts to work (see torchrun_restart_warning)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                              env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+                                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                   "RESTART_TEST_SHARDS": str(run_dir / "tda" / "store" / "shards")})
+
+    done = launch(max_restarts=1)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "rank 1 of attempt 0 dies now" in out and "this is torchrun's restart 1 of its workers" in out, out[-6000:]
+    assert "shares its rendezvous store" not in out
+    assert not list(run_dir.glob("step*"))
+    saved = yaml.safe_load((run_dir / "tda.yaml").read_text())
+    assert saved["attempt"]["torchrun"]["restart"] == 1 and saved["finished"] == {"step": 4}
+    block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
+    for step in (1, 2, 3, 4):
+        assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
+    assert len(block.ids) == 4 * GBS
+    _as_stopped(run_dir)
+    again = launch(max_restarts=0)
+    assert again.returncode != 0 and "no checkpoint to resume" in again.stdout + again.stderr
+    assert GradientStore.open(run_dir / "tda" / "store").num_rows == 4 * GBS
 
 
 def test_a_requeued_job_resumes_its_outside_load_path_again(data_dir):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -225,8 +226,9 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_onl
     """A Slurm job requeued before its run's first checkpoint (try_load_latest_save finds none;
     save_overwrite: false as configs/olmo_1b.yaml) starts the run over: the same cluster and job id,
     restarted since the run's tda.yaml recorded it. Another job or cluster, the same attempt, a
-    torchrun restart (its run id is shared by every command with the same --rdzv_id), a plain start,
-    or a record that cannot be read is refused as before, with the old run left as it was."""
+    torchrun restart of a run Slurm's job recorded (its run id alone is shared by every command with
+    the same --rdzv_id), a plain start, or a record that cannot be read is refused as before, with the
+    old run left as it was. (torchrun's own restarts: the next test.)"""
     run = _old_run(tmp_path / "run")
     for name in ("step0", "step2", "step2-unsharded", "latest"):
         olmo_train._remove(run / name)
@@ -260,7 +262,7 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_onl
         with pytest.raises(ConfigError, match="no checkpoint to resume"):
             start(**requeue)
     (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": job, "finished": {"step": 2}}))
-    with pytest.raises(ConfigError, match="ended .*finished.* a requeue does not start a finished run over"):
+    with pytest.raises(ConfigError, match=r"ended .*finished.* a requeue of Slurm job 77 \(restart 1\) does not start"):
         start(**requeue)                                    # the run ended, without a checkpoint
     assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
     attempt(job)
@@ -289,20 +291,100 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_onl
     assert list((run / "tda").iterdir()) == []
 
 
-def test_the_job_a_run_records_is_slurms(monkeypatch):
+def test_a_torchrun_restart_starts_over_the_run_its_agent_started_and_only_that(tmp_path, monkeypatch):
+    """torchrun --max_restarts: a restart of the workers by the agent whose attempt started the run
+    (the same agent process: host, boot, pid and start time; its run id; a higher
+    TORCHELASTIC_RESTART_COUNT) starts over a run stopped before its first checkpoint. Another agent
+    (a new torchrun, even with the same --rdzv_id), the same attempt, or a damaged record is refused.
+    The real 2-rank restart is in test_deepspeed.py and test_olmo_integration.py."""
+    from olmo_tda.integrations import launch_attempt, restart_of
+
+    run = _old_run(tmp_path / "run")
+    for name in ("step0", "step2", "step2-unsharded", "latest"):
+        olmo_train._remove(run / name)
+    recorded = yaml.safe_load((run / "tda.yaml").read_text())
+    for key in SCHEDULER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = launch_attempt()["torchrun"]          # this process's parent stands for the agent
+    assert agent["agent_pid"] == os.getppid() and agent["restart"] == 0 and agent["run_id"] == "rdzv-1"
+
+    def start(then: dict, restart: str) -> bool:
+        (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": {"torchrun": then}}))
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        return olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
+
+    for then, restart in (({**agent, "agent_pid": agent["agent_pid"] + 1}, "1"),     # another agent ...
+                          ({**agent, "agent_start": agent["agent_start"] - 1}, "1"),  # ... once had its pid
+                          ({**agent, "boot_id": "another boot"}, "1"),
+                          ({**agent, "host": "another-node"}, "1"),
+                          ({**agent, "run_id": "rdzv-2"}, "1"),
+                          (agent, "0"),                                               # the same attempt
+                          ({**agent, "restart": "0"}, "1"), ({**agent, "restart": True}, "1"),
+                          ({k: v for k, v in agent.items() if k != "restart"}, "1")):
+        with pytest.raises(ConfigError, match="no checkpoint to resume .* or a restart by its torchrun, starts"):
+            start(then, restart)
+    assert GradientStore.open(run / "tda" / "store").num_rows == 2
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert restart_of({"torchrun": agent}) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_of({"torchrun": agent}) == (f"torchrun's restart 2 of its workers (agent pid {agent['agent_pid']} "
+                                               f"on {agent['host']})")
+    # the same agent under a Slurm job: either record matching is enough
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    assert restart_of({"scheduler": "slurm", "cluster": "", "job": "9", "restart": 0, "torchrun": agent})
+    (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": {"torchrun": agent},
+                                                  "finished": {"step": 2}}))
+    with pytest.raises(ConfigError, match="ended .*finished.* torchrun's restart 2 .* does not start a finished run"):
+        olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
+    assert start(agent, "1") is True                  # the agent's restart: its run, over from step 0
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "steps_notes.txt", "tda", "tda.yaml"]
+    assert list((run / "tda").iterdir()) == []
+
+
+def test_the_launch_a_run_records_is_slurms_job_and_torchruns_agent(monkeypatch):
     from olmo_tda.integrations import launch_attempt
 
     for key in SCHEDULER_ENV:
         monkeypatch.delenv(key, raising=False)
-    assert launch_attempt() is None
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")           # torchrun's restarts: not a requeue (see above)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert launch_attempt() is None
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     assert launch_attempt() == {"scheduler": "slurm", "cluster": "", "job": "123", "restart": 0}
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     monkeypatch.setenv("SLURM_CLUSTER_NAME", "big")
     assert launch_attempt() == {"scheduler": "slurm", "cluster": "big", "job": "123", "restart": 2}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with open(f"/proc/{os.getppid()}/stat") as f:           # field 22: the start time, in clock ticks
+        started = int(f.read().rsplit(")", 1)[1].split()[19])
+    agent = launch_attempt().pop("torchrun")
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert agent == {"host": socket.gethostname(), "boot_id": boot,
+                     "agent_pid": os.getppid(), "agent_start": started, "run_id": "abc", "restart": 1}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "not a count")
+    assert "torchrun" not in launch_attempt()
+
+
+def test_a_torchrun_that_would_restart_over_its_shared_store_is_told_the_fix(monkeypatch):
+    """torchrun with --max_restarts > 0 and its rendezvous store shared with the workers (torch's
+    default): restarts can fail to form their process group, so the run says to set
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (with it, the agent does not share the store). No restarts,
+    or the store not shared: nothing to say."""
+    from olmo_tda.integrations import torchrun_restart_warning
+
+    for key in ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(key, raising=False)
+    assert torchrun_restart_warning() is None
+    for restarts, shared, says in (("3", "True", True), ("0", "True", False), ("3", "False", False),
+                                   ("", "True", False), ("x", "True", False)):
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+        warning = torchrun_restart_warning()
+        assert (warning is not None) == says, (restarts, shared)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert "--max_restarts=3" in torchrun_restart_warning()
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in torchrun_restart_warning()
 
 
 def test_a_sharded_checkpointer_that_cannot_work_here_is_refused_before_training():

@@ -10,10 +10,12 @@ Example (OLMo; the same as ``olmo-tda train configs/demo_tiny.yaml``)::
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any, Callable, Mapping
 
 __all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "launch_attempt", "quiet_olmo_warnings",
-           "requeued_from", "resume_state", "sum_over_ranks"]
+           "requeued_from", "restart_of", "resume_state", "sum_over_ranks",
+           "torchrun_restart_warning"]
 
 
 def quiet_olmo_warnings() -> None:
@@ -78,32 +80,100 @@ def sum_over_ranks(values: list[float], device: Any) -> list[float]:
 
 
 def launch_attempt() -> dict[str, Any] | None:
-    """The Slurm job this process runs in, as a run records it when it starts: the cluster, the job
-    id and ``SLURM_RESTART_COUNT`` (a requeued job keeps its id, and the count goes up). None
-    outside Slurm. torchrun's own restarts (``--max_restarts``) are not counted: its run id is
-    reused by every command given the same ``--rdzv_id``, so a restart of another command (refused
-    over a run it did not start) would look like a requeue of that run's."""
+    """What started this process, as a run records it when it starts, so that a later attempt of the
+    same launch may start over a run it left without a checkpoint. Under Slurm: the cluster, the job
+    id and ``SLURM_RESTART_COUNT`` (a requeued job keeps its id, and the count goes up). Under
+    torchrun: its agent (the process that restarts the workers, ``--max_restarts``; see
+    :func:`_torchrun_agent`) under ``"torchrun"``. Either, both, or None outside both."""
     env = os.environ
+    out: dict[str, Any] = {}
     job = env.get("SLURM_JOB_ID", "").strip()
-    if not job:
+    if job:
+        count = env.get("SLURM_RESTART_COUNT", "").strip()
+        out.update(scheduler="slurm", cluster=env.get("SLURM_CLUSTER_NAME", "").strip(), job=job,
+                   restart=int(count) if count.isdigit() else 0)
+    agent = _torchrun_agent()
+    if agent is not None:
+        out["torchrun"] = agent
+    return out or None
+
+
+def _torchrun_agent() -> dict[str, Any] | None:
+    """The torchrun agent that started this worker, and how many times it has restarted its workers
+    (``TORCHELASTIC_RESTART_COUNT``). The agent is this process's parent, told apart from any other
+    process that ever had its pid by its start time and the boot (Linux ``/proc``). torchrun's run id
+    alone would not do: every command given the same ``--rdzv_id`` shares it, so a restart of another
+    command would pass for a restart of the run. None outside torchrun or where ``/proc`` cannot tell
+    the parent. A worker that is not torchrun's own child (a shell between them) records its shell,
+    a new process in each attempt, so no attempt passes for a restart: starting over is refused."""
+    env = os.environ
+    count = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    if not count.isdigit():
         return None
-    count = env.get("SLURM_RESTART_COUNT", "").strip()
-    return {"scheduler": "slurm", "cluster": env.get("SLURM_CLUSTER_NAME", "").strip(), "job": job,
-            "restart": int(count) if count.isdigit() else 0}
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as f:
+            # after the command name (in parentheses, which may hold spaces): state, ppid, ... field 22
+            # of the whole line is the start time
+            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"host": socket.gethostname(), "boot_id": boot, "agent_pid": parent, "agent_start": started,
+            "run_id": env.get("TORCHELASTIC_RUN_ID", ""), "restart": int(count)}
+
+
+def torchrun_restart_warning() -> str | None:
+    """What to tell a run whose torchrun may restart its workers (``--max_restarts`` > 0) while it
+    shares its rendezvous store with them (``TORCHELASTIC_USE_AGENT_STORE``, torch's default since
+    2.4), or None. torch then keeps the workers' keys in the agent's store from one attempt to the
+    next without a per-attempt prefix (its comment assumes a new store per restart), so a restarted
+    rank can read a dead rank's address and fail to connect (``Gloo connectFullMesh ... Connection
+    refused``). Measured with torch 2.13 on CPU (gloo, 2 ranks, one killed in attempt 0): a bare
+    init-and-barrier script's restart failed 5 times in 5, ``olmo-tda train``'s 5 in 11 (timing); with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` set for torchrun, none of 7 (pytorch/pytorch#135712 and
+    #167288 report the same for NCCL)."""
+    env = os.environ
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "").strip()
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts.isdigit() or int(restarts) == 0:
+        return None
+    return (f"torchrun may restart the workers (--max_restarts={restarts}) but shares its rendezvous store with "
+            "them (torch's default): a restart's process group can then read the failed attempt's addresses and "
+            "fail to connect (\"Gloo connectFullMesh failed\", NCCL \"Connection refused\"). Set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment so that restarts work")
 
 
 def requeued_from(saved: Any) -> bool:
-    """Whether this process is a later attempt of the job that started the run which recorded
-    ``saved`` (its :func:`launch_attempt`): the same cluster and job, restarted since. Only such an
-    attempt may start a run over in the folder it left without a checkpoint; anything unreadable is
-    not one."""
+    """Whether this process is a later attempt of the launch that started the run which recorded
+    ``saved`` (its :func:`launch_attempt`; see :func:`restart_of`)."""
+    return restart_of(saved) is not None
+
+
+def restart_of(saved: Any) -> str | None:
+    """How this process is a later attempt of the launch that started the run which recorded
+    ``saved`` (its :func:`launch_attempt`), in words for the log, or None if it is not one: the same
+    Slurm cluster and job, requeued since; or the same torchrun agent, which has restarted its
+    workers since. Only such an attempt may start a run over in the folder it left without a
+    checkpoint; anything unreadable is not one."""
     now = launch_attempt()
     if now is None or not isinstance(saved, Mapping):
-        return False
-    restart = saved.get("restart")
-    return (saved.get("scheduler") == now["scheduler"] and str(saved.get("cluster", "")) == now["cluster"]
-            and str(saved.get("job")) == now["job"] and isinstance(restart, int) and not isinstance(restart, bool)
-            and now["restart"] > restart)
+        return None
+    if now.get("scheduler") == "slurm" and saved.get("scheduler") == "slurm" \
+            and str(saved.get("cluster", "")) == now["cluster"] and str(saved.get("job")) == now["job"] \
+            and _count(saved.get("restart")) and now["restart"] > saved["restart"]:
+        return f"a requeue of Slurm job {now['job']} (restart {now['restart']})"
+    agent, then = now.get("torchrun"), saved.get("torchrun")
+    if agent is not None and isinstance(then, Mapping) and _count(then.get("restart")) \
+            and all(then.get(key) == agent[key] for key in ("host", "boot_id", "agent_pid", "agent_start", "run_id")) \
+            and agent["restart"] > then["restart"]:
+        return (f"torchrun's restart {agent['restart']} of its workers (agent pid {agent['agent_pid']} "
+                f"on {agent['host']})")
+    return None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def cut_departed_ranks(store: Any, step: int) -> None:

@@ -42,7 +42,7 @@ from ..config import ConfigError, ProjectionType, TDAConfig, to_plain
 from ..store.errors import StoreError
 from ..store.format import write_json_atomic
 from ..training.selection import DataOrder
-from . import decided_on_rank0, launch_attempt, quiet_olmo_warnings, requeued_from
+from . import decided_on_rank0, launch_attempt, quiet_olmo_warnings, restart_of, torchrun_restart_warning
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
 
@@ -324,6 +324,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"run_dir: cannot create {run_dir}: {e.strerror or e}") from None
+    if (warning := torchrun_restart_warning()) and os.environ.get("RANK") == "0":
+        log.warning("%s", warning)          # before the process group, which a restart may fail to form
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ds_config = dict(cfg["deepspeed"])
@@ -375,17 +377,17 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     elif session.store is not None and session.store.held_rows():
         rows, path = session.store.held_rows(), session.store.path
         # rank 0 reads run.json, which it rewrites below: every rank gets the one answer
-        if decided_on_rank0(lambda: _requeued(run_dir)):
-            log.warning("run_dir: %s holds the run this job started before it was requeued, stopped before its "
-                        "first checkpoint: starting it over (the %d rows stored in %s are dropped)",
-                        run_dir, rows, path)
+        restart = decided_on_rank0(lambda: _restart_of_run(run_dir))
+        if restart is not None:
+            log.warning("run_dir: %s holds the run this launch started, stopped before its first checkpoint; this "
+                        "is %s: starting it over (the %d rows stored in %s are dropped)", run_dir, restart, rows, path)
             session.start_over()
         else:
             session.close()
             raise ConfigError(f"run_dir: {run_dir} has no checkpoint to resume from, but the gradient store {path} "
                               f"holds {rows} rows of an earlier run: this run's would be mixed into it. Give a new "
                               f"run_dir (or tda.store.path), or remove {path} to start over (a requeue of the Slurm "
-                              "job that started it starts it over by itself)")
+                              "job that started it, or a restart by its torchrun, starts it over by itself)")
     # Written once the run has started or resumed: a refused resume leaves the files of the run it
     # refused to continue as they were.
     if rank == 0:
@@ -400,7 +402,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         write_json_atomic(run_dir / RUN_JSON, {
             "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
-            "weights": WEIGHTS_FILE, "attempt": launch_attempt(),     # the job: its requeue may start over
+            "weights": WEIGHTS_FILE, "attempt": launch_attempt(),     # its later attempts may start over
             "zero_stage": stage, "world_size": world})                # what its checkpoints need to load
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
@@ -499,14 +501,14 @@ def _check_same_zero(run_dir: Path, ckpt: Path, stage: int, world: int) -> None:
                           f"resume with {then_world} rank(s), or give a new run_dir to start over")
 
 
-def _requeued(run_dir: Path) -> bool:
-    """Whether this process is a requeue of the Slurm job that started the run in ``run_dir`` (its
-    ``run.json`` records the job; see :func:`launch_attempt`) before that run ended (it writes
-    ``summary.json`` at its end: a run that finished without a checkpoint is not started over).
-    Unreadable: not one."""
+def _restart_of_run(run_dir: Path) -> str | None:
+    """How this process is a later attempt of the launch that started the run in ``run_dir`` (a
+    requeue of its Slurm job, a restart by its torchrun: :func:`restart_of`; ``run.json`` records the
+    launch), or None if it is not one, or if that run ended (it writes ``summary.json`` at its end: a
+    run that finished without a checkpoint is not started over). Unreadable: not one."""
     if (run_dir / "summary.json").exists():
-        return False
-    return requeued_from(_saved_run(run_dir).get("attempt"))
+        return None
+    return restart_of(_saved_run(run_dir).get("attempt"))
 
 
 def _saved_run(run_dir: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import yaml
 
 from ..config import ConfigError, TDAConfig
 from ..store.format import STORE_JSON, write_text_atomic
-from . import decided_on_rank0, launch_attempt, requeued_from
+from . import decided_on_rank0, launch_attempt, restart_of, torchrun_restart_warning
 from .olmo import BASIS_FILE, TDA_YAML, TDATrainer
 
 __all__ = ["train", "init_distributed", "release_distributed"]
@@ -105,7 +105,7 @@ def build_trainer(cfg, tda_cfg: TDAConfig, device: torch.device, trainer_cls: ty
     """Model, wrapping, optimizer, scheduler, data loader and the trainer — OLMo's recipe.
     ``trainer_cls=olmo.train.Trainer`` builds OLMo's own trainer from the same pieces (parity tests).
     ``continues``: the start continues the run in ``save_folder``, resumed from its latest checkpoint
-    or started over by its requeued job (see :func:`_choose_start`), so its ``train_data`` folder is
+    or started over by a later attempt of its launch (see :func:`_choose_start`), so its ``train_data`` folder is
     its own and is reused."""
     from olmo.config import DistributedStrategy
     from olmo.data import build_train_dataloader
@@ -150,8 +150,8 @@ def _save_configs(cfg, tda_cfg: TDAConfig, store_id: str | None = None) -> None:
     saved: dict = {"tda": tda_cfg.to_dict()}
     if store_id:
         saved["store_id"] = store_id
-    attempt = launch_attempt()      # the scheduler job that started it: its requeue may start it over
-    if attempt:                     # (see _requeue_restarts)
+    attempt = launch_attempt()      # the launch that started it: its later attempts
+    if attempt:                     # may start it over (see _requeue_restarts)
         saved["attempt"] = attempt
     (folder / TDA_YAML).write_text(yaml.safe_dump(saved, sort_keys=False))
 
@@ -184,6 +184,8 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
     if cfg.compile is not None:
         raise ConfigError("compile: olmo-tda train does not run torch.compile (capture hooks need eager "
                           "modules); remove the compile section")
+    if (warning := torchrun_restart_warning()) and os.environ.get("RANK") == "0":
+        log.warning("%s", warning)          # before the process group, which a restart may fail to form
     device = init_distributed()
     ok = False
     try:
@@ -222,7 +224,7 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
 
 
 def _record_the_end(folder: Path, step: int) -> None:
-    """``finished: {step}`` in the run's tda.yaml (atomically): a requeue of its job after this end
+    """``finished: {step}`` in the run's tda.yaml (atomically): a later attempt of its launch after this end
     must not take the run, checkpointed or not, for one stopped before its first checkpoint (see
     :func:`_requeue_restarts`). A later start of the run (a resume) writes tda.yaml afresh."""
     path = folder / TDA_YAML
@@ -434,12 +436,13 @@ def _resumes_latest(cfg, folder: Path, load: Path | None) -> bool:
 def _requeue_restarts(cfg, folder: Path, load: Path | None) -> bool:
     """Whether a start without ``save_overwrite`` may start the run in ``folder`` over: the folder
     holds no checkpoint (the run stopped before its first, so there is nothing of it to resume) and
-    this process is a requeue of the Slurm job that started it (its ``tda.yaml`` records the job;
-    see :func:`launch_attempt`). The start then goes on as with ``save_overwrite``: from step 0 the
-    old outputs are removed, and from a ``load_path`` outside the folder (continued pretraining)
-    the stored rows past its step are cut when it is restored. Any other start over a run with no
-    checkpoint is refused (another job's, or a rerun in the same attempt), and so is a requeue of a
-    run that ended (``finished`` in its tda.yaml) without saving any checkpoint."""
+    this process is a later attempt of the launch that started it: a requeue of its Slurm job or a
+    restart by its torchrun (its ``tda.yaml`` records the launch; see :func:`restart_of`). The start
+    then goes on as with ``save_overwrite``: from step 0 the old outputs are removed, and from a
+    ``load_path`` outside the folder (continued pretraining) the stored rows past its step are cut
+    when it is restored. Any other start over a run with no
+    checkpoint is refused (another job's or torchrun's, or a rerun in the same attempt), and so is a
+    later attempt of a run that ended (``finished`` in its tda.yaml) without saving any checkpoint."""
     if load is not None and _inside(load, folder):
         return False
     if any(_CHECKPOINT.match(p.name) or p.name in _LATEST for p in folder.iterdir()):
@@ -448,15 +451,16 @@ def _requeue_restarts(cfg, folder: Path, load: Path | None) -> bool:
         saved = yaml.safe_load((folder / TDA_YAML).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return False
-    if not isinstance(saved, dict) or not requeued_from(saved.get("attempt")):
+    restart = restart_of(saved.get("attempt")) if isinstance(saved, dict) else None
+    if restart is None:
         return False
     if saved.get("finished") is not None:
-        raise ConfigError(f"{folder} holds the run this Slurm job started, and that run ended ({TDA_YAML}: finished "
-                          f"{saved['finished']}) without saving a checkpoint: a requeue does not start a finished run "
-                          "over. Pass --save_overwrite to start it over (its TDA outputs are removed), or use another "
-                          "save_folder")
-    log.warning("%s holds the run this Slurm job started before it was requeued, stopped before its first "
-                "checkpoint: starting it over%s", folder, f" from {cfg.load_path}" if load is not None else "")
+        raise ConfigError(f"{folder} holds the run this launch started, and that run ended ({TDA_YAML}: finished "
+                          f"{saved['finished']}) without saving a checkpoint: {restart} does not start a finished "
+                          "run over. Pass --save_overwrite to start it over (its TDA outputs are removed), or use "
+                          "another save_folder")
+    log.warning("%s holds the run this launch started, stopped before its first checkpoint; this is %s: starting it "
+                "over%s", folder, restart, f" from {cfg.load_path}" if load is not None else "")
     return True
 
 
@@ -472,8 +476,8 @@ def _refuse_overwrite(cfg, folder: Path, load: Path | None) -> None:
     if cfg.try_load_latest_save and (load is None or not _inside(load, folder)):
         raise ConfigError(f"{folder} already holds a run ({config}) but no checkpoint to resume (try_load_latest_save "
                           "found none in it): pass --save_overwrite to start it over (its checkpoints and TDA outputs "
-                          "are removed), or use another save_folder (a requeue of the Slurm job that started it "
-                          "starts it over by itself)")
+                          "are removed), or use another save_folder (a requeue of the Slurm job that started it, "
+                          "or a restart by its torchrun, starts it over by itself)")
     raise ConfigError(f"{folder} already holds a run ({config}): pass --try_load_latest_save to resume it from its "
                       "latest checkpoint, or --save_overwrite to overwrite it (a fresh start, or a resume from "
                       "another checkpoint)")
