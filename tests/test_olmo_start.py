@@ -373,7 +373,8 @@ def test_a_torchrun_that_would_restart_over_its_shared_store_is_told_the_fix(mon
     or the store not shared: nothing to say."""
     from olmo_tda.integrations import torchrun_restart_warning
 
-    for key in ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"):
+    for key in ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                *SCHEDULER_ENV):
         monkeypatch.delenv(key, raising=False)
     assert torchrun_restart_warning() is None
     for restarts, shared, says in (("3", "True", True), ("0", "True", False), ("3", "False", False),
@@ -384,7 +385,18 @@ def test_a_torchrun_that_would_restart_over_its_shared_store_is_told_the_fix(mon
         assert (warning is not None) == says, (restarts, shared)
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     assert "--max_restarts=3" in torchrun_restart_warning()
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in torchrun_restart_warning()
+    assert "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment" in torchrun_restart_warning()
+    # set, and the store shared anyway: the static rendezvous (--master_addr/--master_port) always shares it
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert "shares it anyway (the static one, --master_addr/--master_port): use --rdzv_backend=c10d" \
+        in torchrun_restart_warning()
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "²")       # str.isdigit() takes it, int() does not
+    assert torchrun_restart_warning() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "²")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "²")
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    from olmo_tda.integrations import launch_attempt
+    assert launch_attempt() == {"scheduler": "slurm", "cluster": "", "job": "5", "restart": 0}
 
 
 def test_a_sharded_checkpointer_that_cannot_work_here_is_refused_before_training():

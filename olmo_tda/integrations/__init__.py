@@ -91,7 +91,7 @@ def launch_attempt() -> dict[str, Any] | None:
     if job:
         count = env.get("SLURM_RESTART_COUNT", "").strip()
         out.update(scheduler="slurm", cluster=env.get("SLURM_CLUSTER_NAME", "").strip(), job=job,
-                   restart=int(count) if count.isdigit() else 0)
+                   restart=int(count) if count.isascii() and count.isdigit() else 0)
     agent = _torchrun_agent()
     if agent is not None:
         out["torchrun"] = agent
@@ -105,10 +105,14 @@ def _torchrun_agent() -> dict[str, Any] | None:
     alone would not do: every command given the same ``--rdzv_id`` shares it, so a restart of another
     command would pass for a restart of the run. None outside torchrun or where ``/proc`` cannot tell
     the parent. A worker that is not torchrun's own child (a shell between them) records its shell,
-    a new process in each attempt, so no attempt passes for a restart: starting over is refused."""
+    a new process in each attempt, so no attempt passes for a restart: starting over is refused.
+    This names the torchrun command's process: a program that calls torch's ``elastic_launch`` itself
+    more than once, with one run id, over one folder would pass its second launch's restarts for the
+    first's. On several nodes, a restart after another node's failure (a membership change) does not
+    raise the count of the agent under rank 0, so that restart is refused."""
     env = os.environ
     count = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
-    if not count.isdigit():
+    if not (count.isascii() and count.isdigit()):     # (isdigit alone takes '²', which int() refuses)
         return None
     parent = os.getppid()
     try:
@@ -136,12 +140,18 @@ def torchrun_restart_warning() -> str | None:
     #167288 report the same for NCCL)."""
     env = os.environ
     restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "").strip()
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not restarts.isdigit() or int(restarts) == 0:
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not (restarts.isascii() and restarts.isdigit()) \
+            or int(restarts) == 0:
         return None
-    return (f"torchrun may restart the workers (--max_restarts={restarts}) but shares its rendezvous store with "
-            "them (torch's default): a restart's process group can then read the failed attempt's addresses and "
-            "fail to connect (\"Gloo connectFullMesh failed\", NCCL \"Connection refused\"). Set "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment so that restarts work")
+    said = (f"torchrun may restart the workers (--max_restarts={restarts}) but shares its rendezvous store with "
+            "them: a restart's process group can then read the failed attempt's addresses and fail to connect "
+            "(\"Gloo connectFullMesh failed\", NCCL \"Connection refused\"). ")
+    if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        # the static rendezvous (--master_addr/--master_port without --rdzv_backend) always shares it
+        return said + ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is set but this rendezvous shares it anyway (the "
+                       "static one, --master_addr/--master_port): use --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT "
+                       "(or --standalone on one node) so that restarts work")
+    return said + "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment so that restarts work"
 
 
 def requeued_from(saved: Any) -> bool:
