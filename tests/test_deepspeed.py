@@ -411,6 +411,7 @@ def test_deepspeed_example_torchrun_restart_starts_over_the_run_stopped_before_i
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
                               env={**outside_slurm_env(), "OMP_NUM_THREADS": "1",
                                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",    # see torchrun_restart_warning
+                                   "RESTART_TEST_MARKS": str(tmp_path),
                                    "RESTART_TEST_SHARDS": str(run / "tda" / "store" / "shards")})
 
     done = launch(max_restarts=1)

@@ -304,6 +304,8 @@ def test_a_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpo
     both ranks and the restart starts the run over (its tda.yaml names the agent): the store ends with
     each step's rows of OLMo's data order once. A new torchrun over the folder is refused."""
     run_dir = data_dir / "run_torchrun_restart"
+    marks = data_dir / "marks_torchrun_restart"
+    marks.mkdir()
     args = _overrides(data_dir, "run_torchrun_restart", 4, "--save_interval_unsharded=null", "--save_interval=null",
                       "--no_pre_train_checkpoint=true", "--try_load_latest_save=true", "--save_overwrite=false",
                       "--tda.store.flush_every=1")
@@ -316,6 +318,7 @@ def test_a_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpo
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                               env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
                                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                   "RESTART_TEST_MARKS": str(marks),
                                    "RESTART_TEST_SHARDS": str(run_dir / "tda" / "store" / "shards")})
 
     done = launch(max_restarts=1)
@@ -334,6 +337,48 @@ def test_a_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpo
     again = launch(max_restarts=0)
     assert again.returncode != 0 and "no checkpoint to resume" in again.stdout + again.stderr
     assert GradientStore.open(run_dir / "tda" / "store").num_rows == 4 * GBS
+
+
+def test_a_torchrun_restart_for_a_change_of_nodes_starts_the_run_over(data_dir):
+    """Two torchrun "nodes" (one rank each, c10d rendezvous, --max_restarts=1): in attempt 0 rank 1
+    dies in step 3 while rank 0 hangs there (as a rank blocked in a collective on a GPU does), so rank
+    0's agent restarts it for the change of nodes, its restart count still 0, while the other agent
+    counts a failure. Rank 0's new worker is then a restart of its agent's run (a new worker at the
+    same count) and starts the run over: each step's rows of OLMo's data order end in the store once."""
+    run_dir = data_dir / "run_torchrun_nodes"
+    marks = data_dir / "marks_torchrun_nodes"
+    marks.mkdir()
+    args = _overrides(data_dir, "run_torchrun_nodes", 4, "--save_interval_unsharded=null", "--save_interval=null",
+                      "--no_pre_train_checkpoint=true", "--try_load_latest_save=true", "--save_overwrite=false",
+                      "--tda.store.flush_every=1")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodes", "--max_restarts=1",
+           str(ROOT / "tests" / "_restart_worker.py"), "olmo", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
+    env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "RESTART_TEST_HANG": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RESTART_TEST_MARKS": str(marks),
+           "RESTART_TEST_SHARDS": str(run_dir / "tda" / "store" / "shards")}
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+             for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=600)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    out = "\n".join(outs)
+    assert all(node.returncode == 0 for node in nodes), out[-8000:]
+    assert "rank 1 of attempt 0 dies now" in out and "rank 0 of attempt 0 hangs now" in out
+    assert "this is torchrun's restart of its workers after the nodes changed" in out, out[-8000:]
+    saved = yaml.safe_load((run_dir / "tda.yaml").read_text())
+    assert saved["attempt"]["torchrun"]["restart"] == 0 and saved["finished"] == {"step": 4}
+    block = GradientStore.open(run_dir / "tda" / "store").read_all(layers=[])
+    for step in (1, 2, 3, 4):
+        assert np.array_equal(np.sort(block.ids[block.steps == step]), _expected_ids(run_dir, step)), step
+    assert len(block.ids) == 4 * GBS
 
 
 def test_a_requeued_job_resumes_its_outside_load_path_again(data_dir):

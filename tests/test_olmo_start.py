@@ -320,7 +320,9 @@ def test_a_torchrun_restart_starts_over_the_run_its_agent_started_and_only_that(
                           ({**agent, "boot_id": "another boot"}, "1"),
                           ({**agent, "host": "another-node"}, "1"),
                           ({**agent, "run_id": "rdzv-2"}, "1"),
-                          (agent, "0"),                                               # the same attempt
+                          (agent, "0"),                                    # the same attempt, the same worker
+                          ({k: v for k, v in agent.items() if not k.startswith("worker")}, "0"),
+                          ({**agent, "worker_pid": "1"}, "0"),
                           ({**agent, "restart": "0"}, "1"), ({**agent, "restart": True}, "1"),
                           ({k: v for k, v in agent.items() if k != "restart"}, "1")):
         with pytest.raises(ConfigError, match="no checkpoint to resume .* or a restart by its torchrun, starts"):
@@ -338,6 +340,14 @@ def test_a_torchrun_restart_starts_over_the_run_its_agent_started_and_only_that(
                                                   "finished": {"step": 2}}))
     with pytest.raises(ConfigError, match="ended .*finished.* torchrun's restart 2 .* does not start a finished run"):
         olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
+    # a new worker of the same agent at the same count: the agent restarted its workers because the
+    # nodes changed (another node's worker failed)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    moved = {**agent, "worker_pid": agent["worker_pid"] + 1}
+    assert restart_of({"torchrun": moved}) == (f"torchrun's restart of its workers after the nodes changed (agent pid "
+                                               f"{agent['agent_pid']} on {agent['host']}, restart count 0)")
+    assert restart_of({"torchrun": {**agent, "worker_start": agent["worker_start"] - 1}}) is not None
+    assert restart_of({"torchrun": {**moved, "agent_start": agent["agent_start"] - 1}}) is None
     assert start(agent, "1") is True                  # the agent's restart: its run, over from step 0
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "steps_notes.txt", "tda", "tda.yaml"]
     assert list((run / "tda").iterdir()) == []
@@ -358,10 +368,21 @@ def test_the_launch_a_run_records_is_slurms_job_and_torchruns_agent(monkeypatch)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with open(f"/proc/{os.getppid()}/stat") as f:           # field 22: the start time, in clock ticks
         started = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/self/stat") as f:
+        worker_started = int(f.read().rsplit(")", 1)[1].split()[19])
     agent = launch_attempt().pop("torchrun")
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    assert agent == {"host": socket.gethostname(), "boot_id": boot,
-                     "agent_pid": os.getppid(), "agent_start": started, "run_id": "abc", "restart": 1}
+    assert agent == {"host": socket.gethostname(), "boot_id": boot, "agent_pid": os.getppid(), "agent_start": started,
+                     "run_id": "abc", "restart": 1, "worker_pid": os.getpid(), "worker_start": worker_started}
+    # a worker of torchrun's worker (a shell between them) does not take that shell for the agent
+    probe = "from olmo_tda.integrations import launch_attempt; print(launch_attempt())"
+    through_shell = subprocess.run(["bash", "-c", f"{sys.executable} -c '{probe}'; true"], capture_output=True,
+                                   text=True, env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "1"}, timeout=120)
+    assert through_shell.stdout.strip().splitlines()[-1] == str({"scheduler": "slurm", "cluster": "big", "job": "123",
+                                                                "restart": 2}), through_shell.stderr[-2000:]
+    direct = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert f"'agent_pid': {os.getpid()}" in direct.stdout, direct.stderr[-2000:]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "not a count")
     assert "torchrun" not in launch_attempt()
 

@@ -99,33 +99,40 @@ def launch_attempt() -> dict[str, Any] | None:
 
 
 def _torchrun_agent() -> dict[str, Any] | None:
-    """The torchrun agent that started this worker, and how many times it has restarted its workers
-    (``TORCHELASTIC_RESTART_COUNT``). The agent is this process's parent, told apart from any other
-    process that ever had its pid by its start time and the boot (Linux ``/proc``). torchrun's run id
-    alone would not do: every command given the same ``--rdzv_id`` shares it, so a restart of another
-    command would pass for a restart of the run. None outside torchrun or where ``/proc`` cannot tell
-    the parent. A worker that is not torchrun's own child (a shell between them) records its shell,
-    a new process in each attempt, so no attempt passes for a restart: starting over is refused.
-    This names the torchrun command's process: a program that calls torch's ``elastic_launch`` itself
-    more than once, with one run id, over one folder would pass its second launch's restarts for the
-    first's. On several nodes, a restart after another node's failure (a membership change) does not
-    raise the count of the agent under rank 0, so that restart is refused."""
+    """The torchrun agent that started this worker, how many times it has restarted its workers
+    after a failure (``TORCHELASTIC_RESTART_COUNT``), and this worker process. The agent is this
+    process's parent, told apart from any other process that ever had its pid by its start time and
+    the boot (Linux ``/proc``). torchrun's run id alone would not do: every command given the same
+    ``--rdzv_id`` shares it, so a restart of another command would pass for a restart of the run.
+    None outside torchrun, where ``/proc`` cannot tell the parent, or when the parent is not the
+    agent but one of its workers (a shell between them: its environment, unlike the agent's, holds
+    the restart count). This names the torchrun command's process: a program that calls torch's
+    ``elastic_launch`` itself more than once, with one run id, over one folder would pass its second
+    launch's restarts for the first's."""
     env = os.environ
     count = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
     if not (count.isascii() and count.isdigit()):     # (isdigit alone takes '²', which int() refuses)
         return None
     parent = os.getppid()
     try:
-        with open(f"/proc/{parent}/stat") as f:
-            # after the command name (in parentheses, which may hold spaces): state, ppid, ... field 22
-            # of the whole line is the start time
-            started = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open(f"/proc/{parent}/environ", "rb") as f:
+            if any(item.startswith(b"TORCHELASTIC_RESTART_COUNT=") for item in f.read().split(b"\0")):
+                return None             # the parent is a worker (a shell), not the agent
+        agent_start, worker_start = _started(parent), _started(os.getpid())
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except (OSError, ValueError, IndexError):
         return None
-    return {"host": socket.gethostname(), "boot_id": boot, "agent_pid": parent, "agent_start": started,
-            "run_id": env.get("TORCHELASTIC_RUN_ID", ""), "restart": int(count)}
+    return {"host": socket.gethostname(), "boot_id": boot, "agent_pid": parent, "agent_start": agent_start,
+            "run_id": env.get("TORCHELASTIC_RUN_ID", ""), "restart": int(count), "worker_pid": os.getpid(),
+            "worker_start": worker_start}
+
+
+def _started(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat`` field 22)."""
+    with open(f"/proc/{pid}/stat") as f:
+        # after the command name (in parentheses, which may hold spaces and parentheses): state, ppid, ...
+        return int(f.read().rsplit(")", 1)[1].split()[19])
 
 
 def torchrun_restart_warning() -> str | None:
@@ -174,12 +181,22 @@ def restart_of(saved: Any) -> str | None:
             and _count(saved.get("restart")) and now["restart"] > saved["restart"]:
         return f"a requeue of Slurm job {now['job']} (restart {now['restart']})"
     agent, then = now.get("torchrun"), saved.get("torchrun")
-    if agent is not None and isinstance(then, Mapping) and _count(then.get("restart")) \
-            and all(then.get(key) == agent[key] for key in ("host", "boot_id", "agent_pid", "agent_start", "run_id")) \
-            and agent["restart"] > then["restart"]:
-        return (f"torchrun's restart {agent['restart']} of its workers (agent pid {agent['agent_pid']} "
-                f"on {agent['host']})")
+    if agent is None or not isinstance(then, Mapping) or not _count(then.get("restart")) \
+            or not all(then.get(key) == agent[key] for key in _AGENT_KEYS):
+        return None
+    where = f"agent pid {agent['agent_pid']} on {agent['host']}"
+    if agent["restart"] > then["restart"]:
+        return f"torchrun's restart {agent['restart']} of its workers ({where})"
+    if agent["restart"] == then["restart"] and _count(then.get("worker_pid")) and _count(then.get("worker_start")) \
+            and (then["worker_pid"], then["worker_start"]) != (agent["worker_pid"], agent["worker_start"]):
+        # a new worker of the same agent at the same count: the agent restarted its workers because
+        # the nodes changed (another node's worker failed; torch counts only a node's own failures)
+        return f"torchrun's restart of its workers after the nodes changed ({where}, restart count {agent['restart']})"
     return None
+
+
+_AGENT_KEYS = ("host", "boot_id", "agent_pid", "agent_start", "run_id")
+"""What tells one torchrun agent from every other (see :func:`_torchrun_agent`)."""
 
 
 def _count(value: Any) -> bool:
