@@ -298,28 +298,33 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_di
     assert (run_dir / "tda" / "store" / "store.json").read_bytes() == store
 
 
+def _restart_setup(data_dir: Path, name: str, **env) -> tuple[Path, list[str], dict]:
+    """A run of 4 steps that saves no checkpoint (none before step 0 either) under
+    ``tests/_restart_worker.py``: its folder, the ``olmo-tda train`` arguments, and the environment
+    (torchrun's store not shared with the workers, as restarts need: see torchrun_restart_warning)."""
+    run_dir = data_dir / f"run_{name}"
+    marks = data_dir / f"marks_{name}"
+    marks.mkdir()
+    args = _overrides(data_dir, f"run_{name}", 4, "--save_interval_unsharded=null", "--save_interval=null",
+                      "--no_pre_train_checkpoint=true", "--try_load_latest_save=true", "--save_overwrite=false",
+                      "--tda.store.flush_every=1")
+    return run_dir, [str(ROOT / "tests" / "_restart_worker.py"), "olmo", str(ROOT / "configs" / "demo_tiny.yaml"),
+                     *args], {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RESTART_TEST_MARKS": str(marks),
+                              "RESTART_TEST_SHARDS": str(run_dir / "tda" / "store" / "shards"), **env}
+
+
 def test_a_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpoint(data_dir):
     """torchrun --max_restarts=1 on 2 ranks, no_pre_train_checkpoint and save_overwrite: false: attempt
     0's rank 1 dies in step 3 with the rows of steps 1-2 stored and no checkpoint; torchrun restarts
     both ranks and the restart starts the run over (its tda.yaml names the agent): the store ends with
     each step's rows of OLMo's data order once. A new torchrun over the folder is refused."""
-    run_dir = data_dir / "run_torchrun_restart"
-    marks = data_dir / "marks_torchrun_restart"
-    marks.mkdir()
-    args = _overrides(data_dir, "run_torchrun_restart", 4, "--save_interval_unsharded=null", "--save_interval=null",
-                      "--no_pre_train_checkpoint=true", "--try_load_latest_save=true", "--save_overwrite=false",
-                      "--tda.store.flush_every=1")
+    run_dir, worker, env = _restart_setup(data_dir, "torchrun_restart")
 
     def launch(max_restarts: int) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               f"--max_restarts={max_restarts}", str(ROOT / "tests" / "_restart_worker.py"), "olmo",
-               str(ROOT / "configs" / "demo_tiny.yaml"), *args]
-        # as torchrun must be run for restarts to work (see torchrun_restart_warning)
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                              env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
-                                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                                   "RESTART_TEST_MARKS": str(marks),
-                                   "RESTART_TEST_SHARDS": str(run_dir / "tda" / "store" / "shards")})
+               f"--max_restarts={max_restarts}", *worker]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
     done = launch(max_restarts=1)
     out = done.stdout + done.stderr
@@ -345,23 +350,14 @@ def test_a_torchrun_restart_for_a_change_of_nodes_starts_the_run_over(data_dir):
     0's agent restarts it for the change of nodes, its restart count still 0, while the other agent
     counts a failure. Rank 0's new worker is then a restart of its agent's run (a new worker at the
     same count) and starts the run over: each step's rows of OLMo's data order end in the store once."""
-    run_dir = data_dir / "run_torchrun_nodes"
-    marks = data_dir / "marks_torchrun_nodes"
-    marks.mkdir()
-    args = _overrides(data_dir, "run_torchrun_nodes", 4, "--save_interval_unsharded=null", "--save_interval=null",
-                      "--no_pre_train_checkpoint=true", "--try_load_latest_save=true", "--save_overwrite=false",
-                      "--tda.store.flush_every=1")
+    run_dir, worker, env = _restart_setup(data_dir, "torchrun_nodes", RESTART_TEST_HANG="1")
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodes", "--max_restarts=1",
-           str(ROOT / "tests" / "_restart_worker.py"), "olmo", str(ROOT / "configs" / "demo_tiny.yaml"), *args]
-    env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "RESTART_TEST_HANG": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RESTART_TEST_MARKS": str(marks),
-           "RESTART_TEST_SHARDS": str(run_dir / "tda" / "store" / "shards")}
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodes", "--max_restarts=1", *worker]
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
              for _ in range(2)]
     try:
