@@ -224,7 +224,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmo-tda", description="Training-data attribution inside pretraining.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    loud.add_argument("-q", "--quiet", action="store_true",
+                      help="fewer log lines: train without OLMo's INFO lines (its warnings and errors stay), "
+                           "the other commands' errors only")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a tiny OLMo on shipped text with capture on, then query it (CPU)")
     demo.add_argument("--out", default="demo_out", help="output directory (default: demo_out)")
@@ -285,10 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         from olmo.util import prepare_cli_environment
 
         prepare_cli_environment()
-        if args.verbose:
-            logging.getLogger().setLevel(logging.DEBUG)
+        if args.verbose or args.quiet:
+            logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     else:
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("WANDB_MODE", "offline")
     try:

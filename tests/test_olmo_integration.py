@@ -263,6 +263,24 @@ def _train(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> subpro
                       env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
 
 
+def test_train_quiet_keeps_warnings_and_drops_olmos_info_lines(data_dir):
+    """``olmo-tda -q train``: the run trains and stores as without it, and its console holds no INFO
+    line of OLMo's (the run without -q does: its step lines), while a warning still shows (here: the
+    second run starting over the first with save_overwrite)."""
+    args = _overrides(data_dir, "run_quiet", 2, "--save_interval_unsharded=null", "--save_overwrite=true")
+    outs = []
+    for flag in ([], ["-q"]):
+        done = run_module("olmo_tda.cli", [*flag, "train", str(ROOT / "configs" / "demo_tiny.yaml"), *args],
+                          timeout=300, cwd=ROOT, env={**outside_slurm_env(), "OMP_NUM_THREADS": "1",
+                                                      "WANDB_MODE": "offline"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert GradientStore.open(data_dir / "run_quiet" / "tda" / "store").num_rows == 2 * GBS
+        outs.append((done.stdout + done.stderr).splitlines())
+    loud, quiet = outs
+    assert any("\tINFO\t" in line for line in loud) and not any("\tINFO\t" in line for line in quiet), quiet[:20]
+    assert any("\tWARNING\t" in line and "a fresh start over the old run" in line for line in quiet), quiet[:20]
+
+
 def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_dir):
     """A Slurm job stopped before its run's first checkpoint, requeued (the same command, the same
     job id, SLURM_RESTART_COUNT up by one) with save_overwrite: false: the run starts over, and its
