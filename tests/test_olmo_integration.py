@@ -281,6 +281,22 @@ def test_train_quiet_keeps_warnings_and_drops_olmos_info_lines(data_dir):
     assert any("\tWARNING\t" in line and "a fresh start over the old run" in line for line in quiet), quiet[:20]
 
 
+def test_append_ms_is_the_slowest_ranks(data_dir):
+    """2 ranks, rank 1's store append 80 ms slower (tests/_slow_append_worker.py): every step's
+    tda/append_ms in metrics.jsonl (rank 0 writes it) is at least that, though rank 0's own appends
+    take well under a millisecond."""
+    run_dir = data_dir / "run_slow_append"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "_slow_append_worker.py"), "train", str(ROOT / "configs" / "demo_tiny.yaml"),
+           *_overrides(data_dir, "run_slow_append", 3, "--save_interval_unsharded=null")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logged = [json.loads(x) for x in (run_dir / "tda" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    assert all(m["tda/append_ms"] >= 80 for m in logged), [m["tda/append_ms"] for m in logged]
+
+
 def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint(data_dir):
     """A Slurm job stopped before its run's first checkpoint, requeued (the same command, the same
     job id, SLURM_RESTART_COUNT up by one) with save_overwrite: false: the run starts over, and its

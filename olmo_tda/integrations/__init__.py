@@ -14,7 +14,7 @@ import socket
 from typing import Any, Callable, Mapping
 
 __all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "launch_attempt", "quiet_olmo_warnings",
-           "requeued_from", "restart_of", "resume_state", "sum_over_ranks",
+           "max_over_ranks", "requeued_from", "restart_of", "resume_state", "sum_over_ranks",
            "torchrun_restart_warning"]
 
 
@@ -69,14 +69,23 @@ def _picklable(value: Any) -> bool:
 
 def sum_over_ranks(values: list[float], device: Any) -> list[float]:
     """``values`` summed over the ranks (one all-reduce; collective: every rank calls it alike)."""
+    return _reduced(values, device, "SUM")
+
+
+def max_over_ranks(values: list[float], device: Any) -> list[float]:
+    """``values``' maxima over the ranks (one all-reduce; collective: every rank calls it alike)."""
+    return _reduced(values, device, "MAX")
+
+
+def _reduced(values: list[float], device: Any, op: str) -> list[float]:
     import torch
     import torch.distributed as dist
 
     if not values or _group()[2] == 1:
         return list(values)
-    summed = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(summed)
-    return summed.tolist()
+    reduced = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op))
+    return reduced.tolist()
 
 
 def launch_attempt() -> dict[str, Any] | None:

@@ -60,7 +60,7 @@ from ..capture import GradientCapture
 from ..capture.eigenbasis import estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..store import GradientStore
-from . import check_rows_continue, cut_departed_ranks, resume_state, sum_over_ranks
+from . import check_rows_continue, cut_departed_ranks, max_over_ranks, resume_state, sum_over_ranks
 
 try:
     from olmo.config import CheckpointType, TrainConfig
@@ -410,7 +410,7 @@ class TDATrainer(Trainer):
             self._keep_trajectory(self.global_step)
         counts: dict[str, float] = {}
         if self.store is not None:
-            rows = 0
+            rows, append_ms = 0, 0.0
             if self._record is not None:
                 t1 = time.perf_counter()
                 lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
@@ -421,7 +421,10 @@ class TDATrainer(Trainer):
                 self.store.append(record)
                 rows = len(self._record.ids)
                 self._record = None
-                metrics["tda/append_ms"] = 1e3 * (time.perf_counter() - t1)     # this rank's
+                append_ms = 1e3 * (time.perf_counter() - t1)
+            # the slowest rank's: a rank whose writer falls behind (a slow disk: its queue full) holds
+            # up every rank's next step, and would go unseen in rank 0's own number or in a mean
+            metrics["tda/append_ms"] = max_over_ranks([append_ms], self.device)[0]
             stats = self.store.stats
             # the run's, summed over the ranks below (each rank's own store counters are cumulative)
             counts = {"tda/rows_captured": rows,
