@@ -137,6 +137,23 @@ def test_resume_reproduces_the_rewritten_order(data_dir):
     _run(args + ["--save_overwrite"])
     c = _trained_ids(elsewhere)
     assert sorted(c) == list(range(5, 13)) and all(np.array_equal(a[step], c[step]) for step in c)
+    # restore_dataloader: false (the weights only, e.g. to train on): the data restarts at step 0, so
+    # no round of that run applies and a new folder without its log is not refused; its own rounds
+    # rewrite its own order as a fresh run's do
+    _run(_sel_args(data_dir, "sel_weights_only", 6, f"--load_path={full / 'step4-unsharded'}",
+                   "--restore_dataloader=false"))
+    _check_run(data_dir / "sel_weights_only", 6)
+    # the run's other TDA state starts there too: its row count, and its trajectory at θ_0 = the weights loaded
+    logged = [json.loads(x) for x in (data_dir / "sel_weights_only" / "tda" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["tda/rows_captured"] for m in logged] == [float(s * GBS) for s in range(1, 7)]
+    import torch
+
+    from olmo_tda.training.trajectory import Trajectory
+    first = min(Trajectory.list(data_dir / "sel_weights_only" / "tda" / "trajectory"), key=lambda c: c.step)
+    loaded = torch.load(full / "step4-unsharded" / "model.pt", weights_only=True)
+    kept = first.load()
+    assert first.step == 0 and kept.keys() <= loaded.keys() and kept
+    assert all(torch.equal(kept[k].float(), loaded[k].float()) for k in kept)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -519,9 +519,14 @@ class TDATrainer(Trainer):
         if self.store is not None:          # another run's store here: refused before anything is cut
             self.store.check_resume(saved, self.global_step)
             check_rows_continue(self.store, saved, self.global_step)
-        if self.selector is not None:
+        # restore_dataloader: false: OLMo restarts the step count and the data at 0 (the weights only, to
+        # train on): a new timeline, as a fresh run's. No selection round of the checkpoint's run applies
+        # (_reapply_selection cuts this run's log to none), the trajectory starts at its first save
+        # (dropping any step-0 checkpoint of another timeline), and the row count starts at 0
+        new_timeline = not self.cfg.restore_dataloader
+        if self.selector is not None and not new_timeline:
             self._check_selection_log(state_dict.get("tda_selection"))
-        if self.trajectory is not None:     # drops the abandoned run's later checkpoints
+        if self.trajectory is not None and not new_timeline:     # drops the abandoned run's later checkpoints
             self.trajectory.resume(self.global_step, state_dict.get("tda_trajectory"))
         if self._metrics_file is not None:  # and its later steps' metrics, which will be re-run
             self._cut_metrics(self.global_step)
@@ -529,7 +534,7 @@ class TDATrainer(Trainer):
             self._reapply_selection()
         if self.store is None:
             return
-        self._rows_captured = int((saved or {}).get("rows_captured", 0))   # the log's count goes on from it
+        self._rows_captured = 0 if new_timeline else int((saved or {}).get("rows_captured", 0))   # goes on from it
         dropped = self.store.truncate_after(self.global_step)
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
