@@ -581,6 +581,9 @@ def test_selection_target_is_read_by_its_suffix_and_checked(tmp_path):
     np.save(tmp_path / "t.npy", want.numpy())
     assert torch.equal(load_target(tmp_path / "t.npy", 8, encode, num=2, eos_token_id=0), want[:2])
 
+    np.save(tmp_path / "one.npy", want.numpy()[:, :1])      # rows without a next token to predict
+    with pytest.raises(ValueError, match=re.escape("one.npy: rows of 1 token(s) (shape (7, 1)); each needs")):
+        load_target(tmp_path / "one.npy", 8, encode, num=4, eos_token_id=0)
     (tmp_path / "t.csv").write_text("a,b\n")
     (tmp_path / "odd.bin").write_bytes(b"abc")
     (tmp_path / "bad.jsonl").write_text('{"text": 3}\n')

@@ -113,6 +113,9 @@ def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int
         if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"selection target {path}: expected a 2-D array of integer token ids, got "
                              f"{arr.dtype} of shape {arr.shape}")
+        if arr.shape[1] < 2:      # no next token to predict: the target's mean token loss is 0/0
+            raise ValueError(f"selection target {path}: rows of {arr.shape[1]} token(s) (shape {arr.shape}); each "
+                             f"needs at least 2 tokens, up to seq_len={seq_len} (longer rows are cut to it)")
         rows = arr[:, :seq_len]
     else:
         itemsize = np.dtype(memmap_dtype).itemsize
