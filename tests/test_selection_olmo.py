@@ -168,6 +168,29 @@ def test_two_ranks_train_on_one_rewritten_order(data_dir, strategy):
     assert len(block.ids) == 7 * GBS
 
 
+def test_selection_refuses_a_log_folder_some_rank_cannot_see(data_dir):
+    """2 ranks, rank 1 blind to what rank 0 writes in the round log folder (tests/_blind_rank_worker.py,
+    as a save_folder on each node's own disk): both ranks refuse at start, naming rank 1 and the fix,
+    before any step (on resume such a run hung, or with DeepSpeed trained ranks on different orders)."""
+    import subprocess
+    import sys
+
+    from conftest import outside_slurm_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "_blind_rank_worker.py"), "train", str(ROOT / "configs" / "demo_tiny.yaml"),
+           *_sel_args(data_dir, "sel_blind", 4)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert out.count("rank(s) [1] do not see the round log folder") == 2, out[-4000:]
+    assert "on a filesystem all nodes share" in out
+    assert not (data_dir / "sel_blind" / "tda" / "metrics.jsonl").exists() or \
+        not (data_dir / "sel_blind" / "tda" / "metrics.jsonl").read_text().strip()
+    assert not list((data_dir / "sel_blind" / "tda" / "selection").glob(".shared-check-*"))
+
+
 def test_selection_disabled_is_plain_training(data_dir):
     """tda on, selection off (and no capture store): the same losses, weights and data order as
     OLMo's own Trainer."""

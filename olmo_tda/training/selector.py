@@ -32,7 +32,9 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -44,7 +46,7 @@ from torch import nn
 
 from ..capture import GradientCapture
 from ..capture.hooks import reduce_moments
-from ..config import CaptureConfig, ProjectionType, SelectionConfig, SelectionMode
+from ..config import CaptureConfig, ConfigError, ProjectionType, SelectionConfig, SelectionMode
 from .selection import POLICIES, SelectionError, SelectionLog, order_window, rewrite_order, round_stats
 
 __all__ = ["OnlineSelector", "untouched_training_state", "load_target"]
@@ -164,6 +166,36 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
+def _check_shared(folder: Path, rank: int, world: int) -> None:
+    """Refuse, on every rank alike, a round log some rank cannot see (collective). Rank 0 writes the
+    log, and every rank reads it: each rank's loader follows the order its rounds make, and a resume
+    replays them. A folder on each node's own disk (a save_folder that is not shared) would leave the
+    other nodes an empty log: their resume hung in OLMo's barrier, or (DeepSpeed) trained those ranks
+    on another order than rank 0's, silently."""
+    probe: list = [None]
+    if rank == 0:
+        name = f".shared-check-{uuid.uuid4().hex}"
+        try:
+            (folder / name).write_bytes(b"")
+            probe[0] = name
+        except OSError as e:
+            probe[0] = OSError(f"tda.selection: cannot write in the round log folder {folder}: {e}")
+    dist.broadcast_object_list(probe, src=0)
+    if isinstance(probe[0], OSError):
+        raise probe[0]
+    seen: list = [None] * world
+    dist.all_gather_object(seen, os.path.exists(folder / probe[0]))
+    if rank == 0:
+        with contextlib.suppress(OSError):
+            os.remove(folder / probe[0])
+    blind = [r for r, visible in enumerate(seen) if not visible]
+    if blind:
+        raise ConfigError(f"tda.selection: rank(s) {blind} do not see the round log folder {folder} that rank 0 "
+                          "writes (a save_folder on each node's own disk?): every rank follows and, on resume, "
+                          "replays its rounds. Put save_folder (OLMo) / run_dir (DeepSpeed) on a filesystem all "
+                          "nodes share")
+
+
 def _set_aside_nonfinite(grads: torch.Tensor | None, losses: np.ndarray | None, sample: np.ndarray, ids: np.ndarray,
                          step: int) -> tuple[torch.Tensor | None, np.ndarray | None, np.ndarray]:
     """Zero the measured rows whose gradient or loss is NaN/inf (one would make every score NaN: the
@@ -220,6 +252,8 @@ class OnlineSelector:
         self.micro_batch = config.micro_batch or micro_batch
         self.rank, self.world = _dist()
         self.log = SelectionLog(log_folder, writer=self.rank == 0)
+        if self.world > 1:
+            _check_shared(self.log.folder, self.rank, self.world)
         self._pause = pause
         self._needs = POLICIES[config.policy.value][1]
         if "target" in self._needs and target_tokens is None:
