@@ -156,6 +156,45 @@ def test_resume_reproduces_the_rewritten_order(data_dir):
     assert all(torch.equal(kept[k].float(), loaded[k].float()) for k in kept)
 
 
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """64 examples: 8 global batches an epoch, so a dozen steps cross into epoch 1."""
+    tmp = tmp_path_factory.mktemp("olmo_sel_small")
+    passages = build_passages(64, SEQ, seed=5)
+    write_memmap(passages, tmp / "data" / "train.npy", SEQ)
+    (tmp / "target.txt").write_text("\n".join(passages[:16]) + "\n")
+    return tmp
+
+
+def test_resume_in_a_later_epoch_reproduces_the_order(small_dir):
+    """A run over 64 examples (8 steps an epoch) with rounds every 3 steps, one of them cut at the end
+    of epoch 0 (its window reaches past it) and one in epoch 1, stopped after step 11 and resumed from
+    its step-10 checkpoint (epoch 1: OLMo reshuffles, then this epoch's rounds are replayed, the
+    later one dropped) to step 14: every step trains the ids the uninterrupted run's did, and each
+    epoch trains every example once."""
+    full, resumed = small_dir / "sel_full", small_dir / "sel_resumed"
+    _run(_sel_args(small_dir, "sel_full", 14, "--save_interval_unsharded=5"))
+    _run(_sel_args(small_dir, "sel_resumed", 11, "--save_interval_unsharded=5"))
+    _run(_sel_args(small_dir, "sel_resumed", 14, "--save_interval_unsharded=5", "--save_overwrite",
+                   f"--load_path={resumed / 'step10-unsharded'}"))
+    a, b = _trained_ids(full), _trained_ids(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, 15))
+    for step in range(1, 15):
+        assert np.array_equal(a[step], b[step]), step
+    for epoch in (range(1, 9), range(9, 15)):
+        seen = np.concatenate([a[s] for s in epoch])
+        assert len(seen) == len(set(seen.tolist())), "an example trained twice within an epoch"
+    assert len(np.concatenate([a[s] for s in range(1, 9)])) == 64
+    rounds = [json.loads(x) for x in (resumed / "tda" / "selection" / "rounds.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in rounds] == [(0, 3), (0, 6), (1, 9), (1, 12)]
+    base = [json.loads(x) for x in (full / "tda" / "selection" / "rounds.jsonl").read_text().splitlines()]
+    for r, f in zip(rounds, base, strict=True):      # the same rounds (their timings aside)
+        assert (r["start"], r["keep"], r["window"]) == (f["start"], f["keep"], f["window"])
+        assert np.array_equal(np.load(resumed / "tda" / "selection" / r["file"]),
+                              np.load(full / "tda" / "selection" / f["file"]))
+    assert rounds[1]["start"] + rounds[1]["window"] == 64 and rounds[1]["window"] < 40   # cut at epoch 0's end
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_train_on_one_rewritten_order(data_dir, strategy):
     """Each rank scores half the window; rank 0 decides; the store's rows (both ranks' examples)
