@@ -106,18 +106,27 @@ def test_filter_moves_the_rest_to_the_end_of_the_epoch(data_dir):
     assert np.array_equal(np.asarray(final[N_EXAMPLES - len(moved):]), moved)
 
 
+def _stopped_and_resumed(data_dir: Path, *, steps: int, stop: int, every: int) -> dict[int, np.ndarray]:
+    """``sel_full``: ``steps`` steps; ``sel_resumed``: stopped after ``stop``, then resumed from its last
+    checkpoint (every ``every`` steps) to ``steps``. Both trained the same ids at every step; returns them."""
+    full, resumed = data_dir / "sel_full", data_dir / "sel_resumed"
+    _run(_sel_args(data_dir, "sel_full", steps, f"--save_interval_unsharded={every}"))
+    _run(_sel_args(data_dir, "sel_resumed", stop, f"--save_interval_unsharded={every}"))
+    last = resumed / f"step{stop // every * every}-unsharded"
+    assert last.exists()
+    _run(_sel_args(data_dir, "sel_resumed", steps, f"--save_interval_unsharded={every}", "--save_overwrite",
+                   f"--load_path={last}"))
+    a, b = _trained_ids(full), _trained_ids(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert np.array_equal(a[step], b[step]), step
+    return a
+
+
 def test_resume_reproduces_the_rewritten_order(data_dir):
     full, resumed = data_dir / "sel_full", data_dir / "sel_resumed"
-    _run(_sel_args(data_dir, "sel_full", 12, "--save_interval_unsharded=4"))
     # a run that stopped after step 8 (and had already logged a round past the checkpoint at 4... )
-    _run(_sel_args(data_dir, "sel_resumed", 8, "--save_interval_unsharded=4"))
-    assert (resumed / "step4-unsharded").exists()
-    _run(_sel_args(data_dir, "sel_resumed", 12, "--save_interval_unsharded=4", "--save_overwrite",
-                   f"--load_path={resumed / 'step4-unsharded'}"))
-    a, b = _trained_ids(full), _trained_ids(resumed)
-    assert sorted(a) == sorted(b) == list(range(1, 13))
-    for step in range(1, 13):
-        assert np.array_equal(a[step], b[step]), step
+    a = _stopped_and_resumed(data_dir, steps=12, stop=8, every=4)
     for name in ("global_indices.npy",):
         assert np.array_equal(np.fromfile(full / "train_data" / name, dtype=np.uint32),
                               np.fromfile(resumed / "train_data" / name, dtype=np.uint32))
@@ -173,14 +182,7 @@ def test_resume_in_a_later_epoch_reproduces_the_order(small_dir):
     later one dropped) to step 14: every step trains the ids the uninterrupted run's did, and each
     epoch trains every example once."""
     full, resumed = small_dir / "sel_full", small_dir / "sel_resumed"
-    _run(_sel_args(small_dir, "sel_full", 14, "--save_interval_unsharded=5"))
-    _run(_sel_args(small_dir, "sel_resumed", 11, "--save_interval_unsharded=5"))
-    _run(_sel_args(small_dir, "sel_resumed", 14, "--save_interval_unsharded=5", "--save_overwrite",
-                   f"--load_path={resumed / 'step10-unsharded'}"))
-    a, b = _trained_ids(full), _trained_ids(resumed)
-    assert sorted(a) == sorted(b) == list(range(1, 15))
-    for step in range(1, 15):
-        assert np.array_equal(a[step], b[step]), step
+    a = _stopped_and_resumed(small_dir, steps=14, stop=11, every=5)
     for epoch in (range(1, 9), range(9, 15)):
         seen = np.concatenate([a[s] for s in epoch])
         assert len(seen) == len(set(seen.tolist())), "an example trained twice within an epoch"
