@@ -389,6 +389,7 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
     assert bad.returncode == 2 and "unknown top-level keys ['stepz']" in bad.stderr
 
 
+@pytest.mark.slow  # three DeepSpeed starts on 2 ranks: about 1-2 minutes on 2 cores (the OLMo twin runs by default)
 def test_deepspeed_example_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpoint(tmp_path):
     """torchrun --max_restarts=1: attempt 0's rank 1 dies in step 3 (rows of the first steps stored,
     no checkpoint), torchrun restarts both ranks, and the restart starts the run over: it names

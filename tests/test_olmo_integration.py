@@ -378,6 +378,7 @@ def test_a_torchrun_restart_starts_over_the_run_stopped_before_its_first_checkpo
     assert GradientStore.open(run_dir / "tda" / "store").num_rows == 4 * GBS
 
 
+@pytest.mark.slow  # two torchrun agents, a rendezvous and a membership restart: about a minute on 2 cores
 def test_a_torchrun_restart_for_a_change_of_nodes_starts_the_run_over(data_dir):
     """Two torchrun "nodes" (one rank each, c10d rendezvous, --max_restarts=1): in attempt 0 rank 1
     dies in step 3 while rank 0 hangs there (as a rank blocked in a collective on a GPU does), so rank
