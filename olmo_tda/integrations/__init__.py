@@ -14,7 +14,7 @@ import socket
 from typing import Any, Callable, Mapping
 
 __all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "launch_attempt", "quiet_olmo_warnings",
-           "max_over_ranks", "requeued_from", "restart_of", "resume_state", "sum_over_ranks",
+           "restart_of", "resume_state", "sum_and_max_over_ranks", "sum_over_ranks",
            "torchrun_restart_warning"]
 
 
@@ -69,23 +69,30 @@ def _picklable(value: Any) -> bool:
 
 def sum_over_ranks(values: list[float], device: Any) -> list[float]:
     """``values`` summed over the ranks (one all-reduce; collective: every rank calls it alike)."""
-    return _reduced(values, device, "SUM")
-
-
-def max_over_ranks(values: list[float], device: Any) -> list[float]:
-    """``values``' maxima over the ranks (one all-reduce; collective: every rank calls it alike)."""
-    return _reduced(values, device, "MAX")
-
-
-def _reduced(values: list[float], device: Any, op: str) -> list[float]:
     import torch
     import torch.distributed as dist
 
     if not values or _group()[2] == 1:
         return list(values)
-    reduced = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op))
-    return reduced.tolist()
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return summed.tolist()
+
+
+def sum_and_max_over_ranks(sums: list[float], maxima: list[float], device: Any) -> tuple[list[float], list[float]]:
+    """``sums`` summed and ``maxima`` maximized over the ranks, in one collective (an all-gather of
+    both: one call per training step, not an all-reduce for each); every rank calls it alike."""
+    import torch
+    import torch.distributed as dist
+
+    world = _group()[2]
+    if world == 1 or not (sums or maxima):
+        return list(sums), list(maxima)
+    mine = torch.tensor([*sums, *maxima], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    stacked = torch.stack(every)
+    return stacked[:, :len(sums)].sum(dim=0).tolist(), stacked[:, len(sums):].amax(dim=0).tolist()
 
 
 def launch_attempt() -> dict[str, Any] | None:
@@ -168,12 +175,6 @@ def torchrun_restart_warning() -> str | None:
                        "static one, --master_addr/--master_port): use --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT "
                        "(or --standalone on one node) so that restarts work")
     return said + "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment so that restarts work"
-
-
-def requeued_from(saved: Any) -> bool:
-    """Whether this process is a later attempt of the launch that started the run which recorded
-    ``saved`` (its :func:`launch_attempt`; see :func:`restart_of`)."""
-    return restart_of(saved) is not None
 
 
 def restart_of(saved: Any) -> str | None:

@@ -60,7 +60,7 @@ from ..capture import GradientCapture
 from ..capture.eigenbasis import estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..store import GradientStore
-from . import check_rows_continue, cut_departed_ranks, max_over_ranks, resume_state, sum_over_ranks
+from . import check_rows_continue, cut_departed_ranks, resume_state, sum_and_max_over_ranks
 
 try:
     from olmo.config import CheckpointType, TrainConfig
@@ -422,9 +422,9 @@ class TDATrainer(Trainer):
                 rows = len(self._record.ids)
                 self._record = None
                 append_ms = 1e3 * (time.perf_counter() - t1)
-            # the slowest rank's: a rank whose writer falls behind (a slow disk: its queue full) holds
-            # up every rank's next step, and would go unseen in rank 0's own number or in a mean
-            metrics["tda/append_ms"] = max_over_ranks([append_ms], self.device)[0]
+            # the slowest rank's (below): a rank whose writer falls behind (a slow disk: its queue full)
+            # holds up every rank's next step, and would go unseen in rank 0's own number or in a mean
+            metrics["tda/append_ms"] = append_ms
             stats = self.store.stats
             # the run's, summed over the ranks below (each rank's own store counters are cumulative)
             counts = {"tda/rows_captured": rows,
@@ -445,10 +445,14 @@ class TDATrainer(Trainer):
         return metrics
 
     def _sum_over_ranks(self, metrics: dict[str, float], losses: list[str], counts: dict[str, float]) -> None:
-        """Into ``metrics``: the rank-local ``losses`` (keys of it) as their mean over the ranks and
-        ``counts`` as their sum, the run's, with one all-reduce; ``tda/rows_captured`` as the run's
-        total so far (carried over a resume by the checkpoint)."""
-        values = sum_over_ranks([metrics[k] for k in losses] + list(counts.values()), self.device)
+        """Into ``metrics``: the rank-local ``losses`` (keys of it) as their mean over the ranks,
+        ``counts`` as their sum, the run's, and ``tda/append_ms`` as the slowest rank's, with one
+        collective; ``tda/rows_captured`` as the run's total so far (carried over a resume by the
+        checkpoint)."""
+        slowest = [k for k in ("tda/append_ms",) if k in metrics]
+        values, maxima = sum_and_max_over_ranks([metrics[k] for k in losses] + list(counts.values()),
+                                                [metrics[k] for k in slowest], self.device)
+        metrics.update(zip(slowest, maxima))
         for key, value in zip(losses, values):
             metrics[key] = value / _world_size()
         if losses and "train/CrossEntropyLoss" in metrics and "train/Perplexity" in metrics:
