@@ -7,7 +7,9 @@
 # 1. what this Python lacks of olmo_tda's and the peer's imports is installed from .gpu_wheels into
 #    .gpu_lib/ (never over the machine's own packages); a module with no wheel is named;
 # 2. the GPU tests that need no ai2-olmo (`-m gpu` in tests/test_store.py: CUDA and mixed-device
-#    records stored bit for bit as their CPU copies, fp32 and bf16);
+#    records stored bit for bit as their CPU copies, fp32 and bf16; in tests/test_capture.py: CUDA
+#    capture, dense, projected and under bf16 autocast, against torch.func's exact per-example
+#    gradients, errors printed);
 # 3. olmo_tda vs dattri-llm side by side on the GPU (benchmarks/peers/run.py --here --device cuda):
 #    per-example gradient throughput, in-loop step overhead, bytes, queries, agreement with exact.
 #    Its JSON (--out) is rewritten after every worker, so a run cut short keeps what it measured.
@@ -42,7 +44,7 @@ done 2>&1 | tee "$out/install.txt"
 export PYTHONPATH="$PWD:$PWD/.gpu_lib${PYTHONPATH:+:$PYTHONPATH}"
 export OLMO_TDA_TESTS_COLD=1
 
-timeout 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_store.py 2>&1 | tee "$out/gpu_tests.txt"
+timeout 100 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_store.py tests/test_capture.py 2>&1 | tee "$out/gpu_tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # shellcheck disable=SC2086  # PEERS_ARGS is a list of flags
