@@ -10,8 +10,9 @@
 #    records stored bit for bit as their CPU copies, fp32 and bf16; in tests/test_capture.py: CUDA
 #    capture, dense, projected and under bf16 autocast, against torch.func's exact per-example
 #    gradients, errors printed);
-# 3. olmo_tda vs dattri-llm side by side on the GPU (benchmarks/peers/run.py --here --device cuda):
-#    per-example gradient throughput, in-loop step overhead, bytes, queries, agreement with exact.
+# 3. olmo_tda (its random row, and its capture.budget and head-weighted eigenbasis rows) vs dattri-llm
+#    side by side on the GPU (benchmarks/peers/run.py --here --device cuda; SYSTEMS overrides): per-example
+#    gradient throughput, in-loop step overhead, bytes, queries, agreement with exact.
 #    Its JSON (--out) is rewritten after every worker, so a run cut short keeps what it measured.
 # Each step writes to OUT_DIR; a failing step is reported and the next one still runs. About 7 min
 # at most (timeouts 100 s + 420 s): give the device call timeout_s=560.
@@ -21,6 +22,7 @@ out="${1:-${OUT:-gpu_out}}"
 mkdir -p "$out"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 DEVICE="${DEVICE:-cuda}"
+SYSTEMS="${SYSTEMS:-olmo_tda,olmo_tda_budget,olmo_tda_head,dattri_llm}"
 PEERS_ARGS="${PEERS_ARGS:---repeats 2 --d-model 256 --n-layers 4 --seq-len 256 --n-train 2048 --batch 32}"
 status=0
 {
@@ -48,7 +50,7 @@ timeout 100 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_store.py
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # shellcheck disable=SC2086  # PEERS_ARGS is a list of flags
-timeout 420 "$PY" benchmarks/peers/run.py --here --device "$DEVICE" --systems olmo_tda,dattri_llm $PEERS_ARGS \
+timeout 420 "$PY" benchmarks/peers/run.py --here --device "$DEVICE" --systems "$SYSTEMS" $PEERS_ARGS \
   --timeout 200 --out "$out/peers_cuda.json" 2>&1 | tee "$out/peers_cuda.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 date -u | tee -a "$out/machine.txt"

@@ -25,8 +25,8 @@ For each system:
 Repeats are interleaved: repeat r runs the systems in an order rotated by r, and the table shows
 medians over repeats. Ratios are olmo_tda's number against each peer's, measured in the same run.
 
-``--device cuda`` puts the model, data and exact scores on the GPU; only olmo_tda and dattri-llm
-have adapters that run there (the others' rows say so). ``--here`` runs every system in this
+``--device cuda`` puts the model, data and exact scores on the GPU; only olmo_tda's projected rows
+and dattri-llm have adapters that run there (the others' rows say so). ``--here`` runs every system in this
 interpreter instead of its venv (a machine without a package index: ``benchmarks/peers/gpu_check.sh``).
 """
 
