@@ -15,6 +15,12 @@ plain arm's.
 
     python benchmarks/capture_overhead.py                # table, then one JSON line
     python benchmarks/capture_overhead.py --rounds 3     # quicker
+    python benchmarks/capture_overhead.py --arch linear --device cuda --autocast bf16 \
+        --d-model 1024 --n-layers 8 --seq 1024 --batch 16 --vocab 32000   # on a GPU, no ai2-olmo
+
+``--arch linear`` is the peers benchmark's causal LM of plain ``nn.Linear`` layers (the same sizes,
+mlp_ratio 8, an untied head): it needs no ai2-olmo, so it runs on a GPU machine that lacks it. On
+``--device cuda`` every block is timed from and to a synchronized device.
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ from olmo_tda.store import GradientStore
 
 
 def build_model(args):
+    if args.arch == "linear":
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+        from workload import TinyLM, Workload
+
+        torch.manual_seed(0)
+        return TinyLM(Workload(vocab=args.vocab, d_model=args.d_model, n_heads=args.d_model // 64,
+                               n_layers=args.n_layers, mlp_ratio=8, seq_len=args.seq))
     from olmo.config import ModelConfig
     from olmo.model import OLMo
 
@@ -52,7 +65,10 @@ class Trainer:
     """One model and optimizer; each arm is a (capture, store) pair, or none for the plain step."""
 
     def __init__(self, args, ks: list[int], root: Path):
-        self.model = build_model(args)
+        self.model = build_model(args).to(args.device)
+        self.autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
+                                       enabled=args.autocast == "bf16")
+        self.sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else None
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.arms: dict[str, tuple[GradientCapture | None, object]] = {"plain": (None, None)}
         for k in ks:
@@ -68,10 +84,12 @@ class Trainer:
 
     def step(self, arm: str, batch: torch.Tensor) -> None:
         cap, store = self.arms[arm]
-        logits = self.model(batch).logits
+        with self.autocast:
+            out = self.model(batch)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
         loss_scale = batch.numel()
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(),
-                                                 reduction="sum") / loss_scale
+                                                 reduction="sum").float() / loss_scale
         if cap is None:
             loss.backward()
         else:
@@ -88,7 +106,7 @@ class Trainer:
     def block(self, arm: str, batches: list[torch.Tensor], measure: bool) -> None:
         """Run a block; record (wall, CPU) seconds per step, the store drained inside the timing."""
         cap, store = self.arms[arm]
-        wall, cpu = timed_block(lambda batch: self.step(arm, batch), batches, cap, store)
+        wall, cpu = timed_block(lambda batch: self.step(arm, batch), batches, cap, store, self.sync)
         if measure:
             self.times[arm].append(wall)
             self.cpu_times[arm].append(cpu)
@@ -105,6 +123,10 @@ class Trainer:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=["olmo", "linear"], default="olmo",
+                   help="ai2-olmo's OLMo, or the peers benchmark's plain nn.Linear LM (no ai2-olmo needed)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--autocast", choices=["none", "bf16"], default="none", help="bf16 autocast forward")
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
@@ -117,6 +139,8 @@ def main(argv=None) -> dict:
     p.add_argument("--flush-every", type=int, default=64)
     p.add_argument("--ks", default="16,64")
     args = p.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
 
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(1)
@@ -124,22 +148,26 @@ def main(argv=None) -> dict:
         trainer = Trainer(args, [int(k) for k in args.ks.split(",")], Path(tmp))
         names = list(trainer.arms)
         for round_ in range(args.rounds + 1):
-            batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen) for _ in range(args.block)]
+            batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
+                       for _ in range(args.block)]
             for arm in (names if round_ % 2 == 0 else names[::-1]):    # alternate who goes first
                 trainer.block(arm, batches, measure=round_ >= 1)
         bytes_per_arm = trainer.close()
     rows = summarize(names, trainer.times, trainer.cpu_times, bytes_per_arm, trainer.examples)
     plain = rows[0]["median_s"]
-    print(f"capture overhead: OLMo d_model={args.d_model} layers={args.n_layers} seq={args.seq} batch={args.batch} "
+    print(f"capture overhead: {'OLMo' if args.arch == 'olmo' else 'plain nn.Linear LM'} on {args.device} "
+          f"(autocast {args.autocast}) d_model={args.d_model} layers={args.n_layers} seq={args.seq} batch={args.batch} "
           f"vocab={args.vocab} tied={args.tied} threads={torch.get_num_threads()} store={args.dtype} "
           f"rounds={args.rounds}x{args.block} steps")
     print_table(rows)
-    result = {"benchmark": "capture_overhead", "d_model": args.d_model, "n_layers": args.n_layers,
+    result = {"benchmark": "capture_overhead", "arch": args.arch, "device": args.device,
+              "autocast": args.autocast, "d_model": args.d_model, "n_layers": args.n_layers,
               "seq": args.seq, "batch": args.batch, "vocab": args.vocab, "tied": args.tied,
               "rounds": args.rounds, "block": args.block, "plain_s": plain, "store_dtype": args.dtype,
               **{f"ratio_{r['arm']}": round(r["ratio"], 4) for r in rows[1:]},
               **{f"cpu_ratio_{r['arm']}": round(r["cpu_ratio"], 4) for r in rows[1:]},
-              "torch": torch.__version__, "python": platform.python_version()}
+              "torch": torch.__version__, "python": platform.python_version(),
+              "gpu": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else None}
     print(json.dumps(result))
     return result
 
