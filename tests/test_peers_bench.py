@@ -172,7 +172,7 @@ def test_worker_reports_a_failure_with_its_reason(workdir, tmp_path):
 
 def test_the_gpu_run_is_refused_without_cuda_and_only_device_aware_adapters_run_off_cpu(tmp_path, monkeypatch):
     """``--device cuda`` (benchmarks/peers/gpu_check.sh on a lent GPU) needs a CUDA torch; off CPU
-    only olmo_tda and dattri-llm run, the other peers' rows say their adapter is CPU-only; ``--here``
+    only olmo_tda's projected rows and dattri-llm run (not our unprojected row), the other peers' rows say their adapter is CPU-only; ``--here``
     takes a peer from this interpreter (any torch), and a missing one is a failed row with the reason."""
     import run as peers
     import venvs
@@ -185,11 +185,18 @@ def test_the_gpu_run_is_refused_without_cuda_and_only_device_aware_adapters_run_
     # worker.py silences warnings and logging process-wide: asked in a child of its own
     code = (f"import sys; sys.path.insert(0, {str(PEERS)!r}); import worker, workload\n"
             "gpu, cpu = workload.Workload(device='cuda'), workload.Workload()\n"
-            "for s in ('olmo_tda', 'dattri_llm'): worker._on_device(s, gpu)\n"
+            "for s in ('olmo_tda', 'olmo_tda_eigen', 'olmo_tda_head', 'olmo_tda_budget', 'dattri_llm'):\n"
+            "    worker._on_device(s, gpu)\n"
             "worker._on_device('traker', cpu)\n"
-            "worker._on_device('traker', gpu)\n")
+            "for s in ('olmo_tda_full', 'traker'):\n"
+            "    try:\n"
+            "        worker._on_device(s, gpu)\n"
+            "    except NotImplementedError as e:\n"
+            "        print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "NotImplementedError: traker: this benchmark's adapter runs on CPU only" in r.stderr
+    assert r.returncode == 0, r.stderr
+    assert [line.split(":")[0] for line in r.stdout.splitlines()] == ["olmo_tda_full", "traker"], r.stdout
+    assert "traker: this benchmark's adapter runs on CPU only" in r.stdout
     monkeypatch.setitem(venvs.PEERS, "fake", ("json", "no-such-dist-for-here", []))
     assert not venvs.here("fake")["ok"] and "no-such-dist-for-here" in venvs.here("fake")["reason"]
     monkeypatch.setitem(venvs.PEERS, "fake", ("pytest", "pytest", []))
@@ -444,3 +451,22 @@ def test_sweep_parses_points_and_tabulates_its_pairs(tmp_path):
     bad = subprocess.run([sys.executable, str(PEERS / "sweep.py"), "--points", "linear:64"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "bad point 'linear:64'" in bad.stderr
+
+
+def test_seed_spread_is_exact_when_nothing_is_projected_and_spreads_when_it_is(tmp_path):
+    """benchmarks/peers/seed_spread.py: at k no smaller than any layer side the library's projector is
+    the identity, so every seed's scores are the exact ones (Spearman 1); at k = 2 they are not, and the
+    layers' shares of the exact score mass sum to 1."""
+    def spread(k):
+        out = subprocess.run([sys.executable, str(PEERS / "seed_spread.py"), "--d-model", "16", "--n-layers", "1",
+                              "--seq-len", "8", "--n-train", "24", "--batch", "4", "--k", str(k), "--seeds", "2",
+                              "--workdir", str(tmp_path / "w")], check=True, capture_output=True, text=True,
+                             timeout=300).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    exact = spread(256)                          # vocab 256 is the widest side
+    assert all(v == pytest.approx(1.0) for vals in exact["spearman"].values() for v in vals), exact["spearman"]
+    assert sum(exact["score_mass_share"].values()) == pytest.approx(1.0) and "head" in exact["score_mass_share"]
+    projected = spread(2)
+    for kind, vals in projected["spearman"].items():
+        assert len(vals) == 2 and all(-1 <= v < 0.999 for v in vals), (kind, vals)
