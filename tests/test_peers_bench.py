@@ -172,8 +172,8 @@ def test_worker_reports_a_failure_with_its_reason(workdir, tmp_path):
 
 def test_the_gpu_run_is_refused_without_cuda_and_only_device_aware_adapters_run_off_cpu(tmp_path, monkeypatch):
     """``--device cuda`` (benchmarks/peers/gpu_check.sh on a lent GPU) needs a CUDA torch; off CPU
-    only olmo_tda's projected rows and dattri-llm run (not our unprojected row), the other peers' rows say their adapter is CPU-only; ``--here``
-    takes a peer from this interpreter (any torch), and a missing one is a failed row with the reason."""
+    every peer and olmo_tda's projected rows run; our unprojected row (tens of GB there) says it runs on
+    CPU only; ``--here`` takes a peer from this interpreter (any torch), and a missing one is a failed row with the reason."""
     import run as peers
     import venvs
 
@@ -185,18 +185,19 @@ def test_the_gpu_run_is_refused_without_cuda_and_only_device_aware_adapters_run_
     # worker.py silences warnings and logging process-wide: asked in a child of its own
     code = (f"import sys; sys.path.insert(0, {str(PEERS)!r}); import worker, workload\n"
             "gpu, cpu = workload.Workload(device='cuda'), workload.Workload()\n"
-            "for s in ('olmo_tda', 'olmo_tda_eigen', 'olmo_tda_head', 'olmo_tda_budget', 'dattri_llm'):\n"
+            "for s in ('olmo_tda', 'olmo_tda_eigen', 'olmo_tda_head', 'olmo_tda_budget', 'dattri_llm',\n"
+            "          'kronfluence', 'dattri', 'traker', 'logix'):\n"
             "    worker._on_device(s, gpu)\n"
-            "worker._on_device('traker', cpu)\n"
-            "for s in ('olmo_tda_full', 'traker'):\n"
+            "worker._on_device('olmo_tda_full', cpu)\n"
+            "for s in ('olmo_tda_full', 'no_such_system'):\n"
             "    try:\n"
             "        worker._on_device(s, gpu)\n"
             "    except NotImplementedError as e:\n"
             "        print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert [line.split(":")[0] for line in r.stdout.splitlines()] == ["olmo_tda_full", "traker"], r.stdout
-    assert "traker: this benchmark's adapter runs on CPU only" in r.stdout
+    assert [line.split(":")[0] for line in r.stdout.splitlines()] == ["olmo_tda_full", "no_such_system"], r.stdout
+    assert "olmo_tda_full: this benchmark runs it on CPU only (device cuda)" in r.stdout
     monkeypatch.setitem(venvs.PEERS, "fake", ("json", "no-such-dist-for-here", []))
     assert not venvs.here("fake")["ok"] and "no-such-dist-for-here" in venvs.here("fake")["reason"]
     monkeypatch.setitem(venvs.PEERS, "fake", ("pytest", "pytest", []))

@@ -25,8 +25,8 @@ For each system:
 Repeats are interleaved: repeat r runs the systems in an order rotated by r, and the table shows
 medians over repeats. Ratios are olmo_tda's number against each peer's, measured in the same run.
 
-``--device cuda`` puts the model, data and exact scores on the GPU; only olmo_tda's projected rows
-and dattri-llm have adapters that run there (the others' rows say so). ``--here`` runs every system in this
+``--device cuda`` puts the model, data and exact scores on the GPU; every system runs there but
+olmo_tda's unprojected row (its store would be tens of GB; its row says so). ``--here`` runs every system in this
 interpreter instead of its venv (a machine without a package index: ``benchmarks/peers/gpu_check.sh``).
 """
 
@@ -312,7 +312,7 @@ def main(argv=None) -> dict:
                    help="the model: 'linear' (plain nn.Linear LM) or 'olmo' (ai2-olmo's OLMo, same size)")
     p.add_argument("--n-layers", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda' (olmo_tda and dattri-llm only)")
+    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda'")
     p.add_argument("--here", action="store_true", help="run the peers in this interpreter, not their venvs")
     p.add_argument("--skip-influence", action="store_true", help="no curvature (influence) pass")
     p.add_argument("--timeout", type=float, default=900, help="seconds per worker before it counts as failed")

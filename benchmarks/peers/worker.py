@@ -280,7 +280,7 @@ def _dattri_logra(w, model, train, query, tmp: Path, **options):
     wrapped = _WithLoss(model)
     task = AttributionTask(loss_func=lambda m, batch, device: m(**batch).loss, model=wrapped,
                            checkpoints=wrapped.state_dict())
-    attr = LoGraAttributor(task=task, layer_names=[f"lm.{n}" for n in linear_names(model)], device="cpu",
+    attr = LoGraAttributor(task=task, layer_names=[f"lm.{n}" for n in linear_names(model)], device=w.device,
                            proj_dim=w.k * w.k, offload="cpu", cache_dir=str(tmp / "cache"), **options)
     return (attr, DataLoader(_DictDS(train), batch_size=w.batch, shuffle=False),
             DataLoader(_DictDS(query), batch_size=w.batch, shuffle=False))
@@ -292,7 +292,7 @@ def dattri_attr(w, model, train, query, tmp: Path) -> dict:
     with Clock() as c_train:
         attr.cache(tr)
     with Clock() as c_query:
-        scores = attr.attribute(tr, qd).T.numpy()
+        scores = attr.attribute(tr, qd).T.cpu().numpy()
     # offload="disk" needs pinned memory (CUDA) in 0.3.0, so the store is held in RAM: its size is
     # the projected rows it holds, k·k fp32 per layer
     held = len(train) * w.k * w.k * len(linear_names(model)) * 4
@@ -306,7 +306,7 @@ def dattri_infl(w, model, train, query, tmp: Path) -> dict:
     attr, tr, qd = _dattri_logra(w, model, train, query, tmp, hessian="eFIM", damping=RELATIVE_DAMPING)
     with Clock() as c:
         attr.cache(tr)
-        scores = attr.attribute(tr, qd).T.numpy()
+        scores = attr.attribute(tr, qd).T.cpu().numpy()
     return {"infl_s": c.seconds, "scores": scores,
             "settings": f"LoGraAttributor proj_dim={w.k * w.k} hessian=eFIM damping={RELATIVE_DAMPING} (relative)"}
 
@@ -334,19 +334,20 @@ def traker_attr(w, model, train, query, tmp: Path, *, influence: bool = False) -
             return -example_losses(logits, ids).sum()
 
         def get_out_to_loss_grad(self, model, weights, buffers, batch):
-            return torch.ones(batch[0].shape[0], 1)
+            return torch.ones(batch[0].shape[0], 1, device=batch[0].device)
 
     names = linear_names(model)
     grad_wrt = [f"{n}.weight" for n in names]
     params = dict(model.named_parameters())
     grad_dim = sum(params[n].numel() for n in grad_wrt)
     k_total = w.k * w.k * len(names)                     # the same floats per example as the others
-    # CPU forces BasicProjector (normal); block_size < proj_dim avoids its free_memory() bug
+    # CPU forces BasicProjector (normal), and on a GPU it is kept (its CudaProjector needs the fast_jl
+    # extension built); block_size < proj_dim avoids its free_memory() bug
     proj = BasicProjector(grad_dim=grad_dim, proj_dim=k_total, seed=0, block_size=min(100, k_total // 2),
-                          proj_type=ProjectionType.normal, device="cpu", dtype=torch.float32)
+                          proj_type=ProjectionType.normal, device=w.device, dtype=torch.float32)
     n, q = len(train), len(query)
     extra = 0 if influence else q
-    traker = TRAKer(model=model, task=NegLoss(), train_set_size=n + extra, save_dir=str(tmp / "trak"), device="cpu",
+    traker = TRAKer(model=model, task=NegLoss(), train_set_size=n + extra, save_dir=str(tmp / "trak"), device=w.device,
                     projector=proj, use_half_precision=False, grad_wrt=grad_wrt, lambda_reg=w.damping)
     ckpt = {k: v.clone() for k, v in model.state_dict().items()}
     traker.load_checkpoint(ckpt, model_id=0)
@@ -410,8 +411,8 @@ def kronfluence_attr(w, model, train, query, tmp: Path, *, influence: bool = Fal
     task = LMTask()
     model = prepare_model(model, task)
     if influence:
-        an = Analyzer("peers", model=model, task=task, cpu=True, output_dir=str(tmp / "kf"), disable_tqdm=True,
-                      log_level=logging.WARNING)
+        an = Analyzer("peers", model=model, task=task, cpu=w.device == "cpu", output_dir=str(tmp / "kf"),
+                      disable_tqdm=True, log_level=logging.WARNING)
         with Clock() as c:
             an.fit_all_factors(factors_name="ekfac", dataset=TensorDataset(train), per_device_batch_size=w.batch,
                                factor_args=FactorArguments(strategy="ekfac"), overwrite_output_dir=True)
@@ -422,8 +423,8 @@ def kronfluence_attr(w, model, train, query, tmp: Path, *, influence: bool = Fal
                                        score_args=ScoreArguments(damping_factor=None), overwrite_output_dir=True)
         return {"infl_s": c.seconds, "scores": an.load_pairwise_scores("si")["all_modules"].numpy(),
                 "settings": "EK-FAC (unprojected), damping_factor=None = 0.1 × mean eigenvalue per module"}
-    an = Analyzer("peers", model=model, task=task, cpu=True, output_dir=str(tmp / "kf"), disable_tqdm=True,
-                  log_level=logging.WARNING)
+    an = Analyzer("peers", model=model, task=task, cpu=w.device == "cpu", output_dir=str(tmp / "kf"),
+                  disable_tqdm=True, log_level=logging.WARNING)
     # Kronfluence stores no per-example gradient: the score pass recomputes every train gradient
     # against the (preconditioned) query gradients. "identity" = graddot, exact (no projection).
     an.fit_all_factors(factors_name="identity", dataset=TensorDataset(train), per_device_batch_size=w.batch,
@@ -543,9 +544,11 @@ SYSTEMS = {
 }
 
 
-# the adapters that place their work on the model's device; the others are written for CPU
-# (olmo_tda's unprojected row is left out: at a GPU workload's size its store is tens of GB)
-ON_ANY_DEVICE = ("olmo_tda", "olmo_tda_eigen", "olmo_tda_head", "olmo_tda_budget", "dattri_llm")
+# the adapters that place their work on the model's device: every peer's (each given the workload's
+# device where it takes one), not olmo_tda's unprojected row (at a GPU workload's size its store is
+# tens of GB)
+ON_ANY_DEVICE = ("olmo_tda", "olmo_tda_eigen", "olmo_tda_head", "olmo_tda_budget", "dattri_llm", "kronfluence",
+                 "dattri", "traker", "logix")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -553,7 +556,7 @@ ON_ANY_DEVICE = ("olmo_tda", "olmo_tda_eigen", "olmo_tda_head", "olmo_tda_budget
 
 def _on_device(system: str, w) -> None:
     if w.device != "cpu" and system not in ON_ANY_DEVICE:
-        raise NotImplementedError(f"{system}: this benchmark's adapter runs on CPU only (device {w.device}); "
+        raise NotImplementedError(f"{system}: this benchmark runs it on CPU only (device {w.device}); "
                                   f"on a GPU it compares {', '.join(ON_ANY_DEVICE)}")
 
 

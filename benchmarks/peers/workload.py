@@ -55,8 +55,8 @@ class Workload:
     arch: str = "linear"
     """``"linear"`` (``TinyLM``) or ``"olmo"`` (``OLMoLM``: ai2-olmo's model)."""
     device: str = "cpu"
-    """Where the model, the data and the exact ground truth live (``"cuda"``: only olmo_tda and
-    dattri-llm, whose adapters place their work on the model's device, run there)."""
+    """Where the model, the data and the exact ground truth live (``"cuda"``: every system but
+    olmo_tda's unprojected row runs there, each adapter placing its work on the model's device)."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
