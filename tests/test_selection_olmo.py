@@ -146,6 +146,11 @@ def test_resume_reproduces_the_rewritten_order(data_dir):
     _run(args + ["--save_overwrite"])
     c = _trained_ids(elsewhere)
     assert sorted(c) == list(range(5, 13)) and all(np.array_equal(a[step], c[step]) for step in c)
+    # selection switched off on resume: allowed (the user's call), and said
+    off = _train(_sel_args(data_dir, "sel_off_resumed", 5, f"--load_path={full / 'step4-unsharded'}",
+                           "--tda.selection.enabled=false"))
+    assert off.returncode == 0, off.stderr[-4000:]
+    assert "had applied 1 selection rounds by step 4, and tda.selection is off now" in off.stdout + off.stderr
     # restore_dataloader: false (the weights only, e.g. to train on): the data restarts at step 0, so
     # no round of that run applies and a new folder without its log is not refused; its own rounds
     # rewrite its own order as a fresh run's do
@@ -311,6 +316,21 @@ def test_deepspeed_callback_two_ranks_and_resume(tmp_path, stage):
     assert len(seen) == len(set(seen.tolist())) == 8 * per_step
     base = script._epoch_order(0, 0, num)
     assert not np.array_equal(order.epoch_order(0)[per_step * 2:per_step * 2 + 24], base[per_step * 2:per_step * 2 + 24])
+    # the step-8 checkpoint says 4 rounds were applied by then: a log cut to 2 cannot replay the order
+    log_file = run / "tda" / "selection" / "rounds.jsonl"
+    full_log = log_file.read_text()
+    log_file.write_text("".join(full_log.splitlines(keepends=True)[:2]))
+    refused = subprocess.run([*cmd, *common, "--steps=10"], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=tmp_path)
+    assert refused.returncode != 0 and "exitcode  : 2" in refused.stderr, refused.stderr[-4000:]   # ConfigError
+    assert "had applied 4 selection rounds by step 8" in refused.stderr and "holds 2" in refused.stderr
+    assert len(log_file.read_text().splitlines()) == 2 and "step 9" not in refused.stderr
+    # selection switched off on resume: allowed (the user's call), and said
+    log_file.write_text(full_log)
+    plain = subprocess.run([*cmd, *common, "--steps=9", "--tda.selection.enabled=false"], capture_output=True,
+                           text=True, timeout=600, env=env, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    assert "had applied 4 selection rounds by step 8, and tda.selection is off now" in plain.stderr
 
 
 def test_a_round_inside_the_olmo_trainer_leaves_weights_optimizer_and_rngs_untouched(data_dir):

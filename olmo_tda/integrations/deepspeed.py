@@ -558,7 +558,8 @@ _signature = functools.lru_cache(maxsize=8)(inspect.signature)
 class DeepSpeedSelection:
     """Online data selection as a callback of a DeepSpeed loop that reads its example ids from a
     :class:`~olmo_tda.training.selection.DataOrder`: call :meth:`on_step_end` after each optimizer
-    step and :meth:`resume` after ``engine.load_checkpoint``. Rounds run through ``engine.module``
+    step, put :meth:`state_dict` in ``engine.save_checkpoint``'s ``client_state``, and call :meth:`resume`
+    with it after ``engine.load_checkpoint``. Rounds run through ``engine.module``
     (gradients w.r.t. layer outputs only, so ZeRO's gradient hooks and buffers are never touched),
     rank 0 decides and every rank's ``order`` gets the same rewrite; rounds persist under
     ``log_folder`` and are replayed by ``order`` on resume.
@@ -569,9 +570,12 @@ class DeepSpeedSelection:
         selection = DeepSpeedSelection(engine, tda.selection, order=order, fetch=tokens_of,
                                        forward=lambda m, ids: m.olmo(ids).logits, seq_len=T,
                                        log_folder=run_dir / "tda" / "selection")
+        _, client_state = engine.load_checkpoint(ckpt)            # a resume
+        selection.resume(engine.global_steps, (client_state or {}).get("tda_selection"))
         for step in ...:
             ids = order.ids(position, micro_bs); ...; engine.step()
             selection.on_step_end(step)
+            engine.save_checkpoint(ckpt, client_state={"tda_selection": selection.state_dict(step)})
     """
 
     def __init__(self, engine: Any, config: Any, *, order: Any, fetch: Callable, forward: Callable, seq_len: int,
@@ -591,14 +595,35 @@ class DeepSpeedSelection:
         order.reset()
         self.per_step = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * _world_size()
 
-    def resume(self, step: int) -> int:
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """What a checkpoint at ``step`` carries so that a resume can tell whether its log still holds
+        the rounds that made the order: their count and the log's folder (JSON-able)."""
+        return {"log": str(self.selector.log.folder.resolve()), "rounds": self._rounds_up_to(step)}
+
+    def _rounds_up_to(self, step: int) -> int:
+        return sum(1 for r in self.selector.log.rounds() if r["step"] <= step)
+
+    def resume(self, step: int, saved: Mapping[str, Any] | None = None) -> int:
         """Forget rounds after ``step`` (they re-run); the order replays the rest. Returns how many
-        were dropped."""
+        were dropped. ``saved``, the checkpoint's :meth:`state_dict`, is checked first: a log holding
+        fewer rounds by ``step`` than the checkpoint's run had applied (a resume beside another run's
+        log, a log lost or cut) is refused, since the order could not be replayed and training would
+        go on in the plain order without a word."""
+        if saved:
+            decided_on_rank0(lambda: self._check_log_holds(step, saved), catch=ConfigError)
         dropped = self.selector.log.truncate_after((step * self.per_step) // self.order.num, step)
         if _world_size() > 1:
             dist.barrier()
         self.order.reset()
         return dropped
+
+    def _check_log_holds(self, step: int, saved: Mapping[str, Any]) -> None:
+        held, want = self._rounds_up_to(step), int(saved.get("rounds", 0))
+        if held < want:
+            raise ConfigError(f"tda.selection: the checkpoint's run had applied {want} selection rounds by step {step} "
+                              f"(logged in {saved.get('log')}), but this run's log {self.selector.log.folder} holds "
+                              f"{held}: the data order cannot be replayed. Resume in that run's run_dir, or copy its "
+                              "tda/selection folder here first")
 
     def on_step_end(self, step: int) -> dict | None:
         """Run a round if one is due after optimizer step ``step``; returns its stats."""

@@ -356,11 +356,12 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
                        lambda m, batch: m(batch, reduction="sum"), tda)
     session = attach(engine, tda)
     ckpt = run_dir / "checkpoints"
+    client_state = None
     if (ckpt / "latest").exists():
         try:
             # DeepSpeed fails on a checkpoint of another ZeRO stage with an empty AssertionError
             decided_on_rank0(lambda: _check_same_zero(run_dir, ckpt, stage, world), catch=ConfigError)
-            engine.load_checkpoint(str(ckpt))      # tda resumes its store from the checkpoint too
+            _, client_state = engine.load_checkpoint(str(ckpt))     # tda resumes its store from it too
         except (ConfigError, StoreError):
             session.close()                          # tda's own refusals name their remedy
             raise
@@ -410,7 +411,13 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     selection = None
     if tda.enabled and tda.selection.enabled:
         selection = _start_selection(engine, tda, session, data, data_order, cfg, run_dir)
-        selection.resume(engine.global_steps)   # a start without a checkpoint: an earlier log's rounds go
+        # a start without a checkpoint: an earlier log's rounds go; a resume: the log must hold the
+        # checkpoint's rounds
+        selection.resume(engine.global_steps, (client_state or {}).get(SELECTION_KEY))
+    elif (client_state or {}).get(SELECTION_KEY, {}).get("rounds"):
+        log.warning("the checkpoint's run had applied %d selection rounds by step %d, and tda.selection is off now: "
+                    "this run trains on the plain data order from here", client_state[SELECTION_KEY]["rounds"],
+                    engine.global_steps)
     device = engine.device
     t0, losses = time.perf_counter(), []
     for step in range(engine.global_steps + 1, steps + 1):
@@ -431,9 +438,9 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         if rank == 0 and (step % 10 == 0 or step == steps):
             log.info("step %d/%d loss %.4f lr %.2e", step, steps, step_loss, engine.get_lr()[0])
         if save_every and step % save_every == 0:
-            engine.save_checkpoint(str(ckpt), tag=f"step{step}")
+            engine.save_checkpoint(str(ckpt), tag=f"step{step}", client_state=_client_state(selection, step))
     if save_every and steps % save_every:
-        engine.save_checkpoint(str(ckpt), tag=f"step{steps}")
+        engine.save_checkpoint(str(ckpt), tag=f"step{steps}", client_state=_client_state(selection, steps))
     _save_final_weights(engine, run_dir / WEIGHTS_FILE, rank)
     summary = {"steps": steps, "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
                "zero_stage": stage, "world_size": world,
@@ -546,6 +553,14 @@ def _key_paths(tree: Any, key: Any, value: Any, prefix: str = "") -> list[str]:
         return []
     found = [f"{prefix}{k}" for k, v in tree.items() if k == key and v == value]
     return found + [p for k, v in tree.items() for p in _key_paths(v, key, value, f"{prefix}{k}.")]
+
+
+SELECTION_KEY = "tda_selection"
+"""Key of the selection's state (rounds applied, log folder) in this script's checkpoints' client_state."""
+
+
+def _client_state(selection: Any, step: int) -> dict[str, Any]:
+    return {SELECTION_KEY: selection.state_dict(step)} if selection is not None else {}
 
 
 def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData, data_order: DataOrder,

@@ -530,6 +530,10 @@ class TDATrainer(Trainer):
         new_timeline = not self.cfg.restore_dataloader
         if self.selector is not None and not new_timeline:
             self._check_selection_log(state_dict.get("tda_selection"))
+        elif not new_timeline and (state_dict.get("tda_selection") or {}).get("rounds"):
+            log.warning("tda: the checkpoint's run had applied %d selection rounds by step %d, and tda.selection is "
+                        "off now: this run trains on the plain data order from here",
+                        state_dict["tda_selection"]["rounds"], self.global_step)
         if self.trajectory is not None and not new_timeline:     # drops the abandoned run's later checkpoints
             self.trajectory.resume(self.global_step, state_dict.get("tda_trajectory"))
         if self._metrics_file is not None:  # and its later steps' metrics, which will be re-run
