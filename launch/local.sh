@@ -12,6 +12,8 @@
 #   OMP_NUM_THREADS  default: this machine's CPUs (nproc) / NPROC, at least 1
 #   WANDB_MODE       offline unless you set it
 #   PYTHON, TORCHRUN the executables (default: python and torchrun on PATH)
+#   MAX_RESTARTS     torchrun --max_restarts with NPROC > 1 (default 0); with it torchrun's store is not
+#                    shared with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see launch/README.md)
 #   DRY_RUN          1 = print the exact environment and command and exit 0; 0 or unset = run
 # See launch/README.md.
 
@@ -37,12 +39,20 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$((cpus / num_procs > 0 ? cpus / num_
 # No network account is assumed; sync later with `wandb sync`.
 export WANDB_MODE="${WANDB_MODE:-offline}"
 managed_env=(OMP_NUM_THREADS WANDB_MODE)
+max_restarts="${MAX_RESTARTS:-0}"
+[[ "$max_restarts" =~ ^(0|[1-9][0-9]*)$ ]] || die "MAX_RESTARTS=$max_restarts is not a number of restarts (0 or more)"
+((max_restarts == 0 || num_procs > 1)) \
+    || die "MAX_RESTARTS=$max_restarts needs NPROC > 1 (one process runs without torchrun)"
 
 if ((num_procs == 1)); then
     cmd=("${PYTHON:-python}" -m olmo_tda.cli train "$config" "$@")
 else
+    if ((max_restarts > 0)); then
+        export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        managed_env+=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
+    fi
     cmd=("${TORCHRUN:-torchrun}" --standalone --nnodes=1 --nproc_per_node="$num_procs"
-        -m olmo_tda.cli train "$config" "$@")
+        --max_restarts="$max_restarts" -m olmo_tda.cli train "$config" "$@")
 fi
 
 print_and_run "${cmd[@]}"

@@ -167,6 +167,28 @@ def test_slurm_dry_run_renders_multinode_torchrun(fake):
     assert exported["WANDB_MODE"] == "offline"
     assert exported["OMP_NUM_THREADS"] == "8"  # 32 CPUs per task / 4 ranks
     assert exported["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    # no torchrun restarts unless asked: a failure ends the job (Slurm's requeue resumes it)
+    assert args.max_restarts == 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in exported
+
+
+@pytest.mark.parametrize("script", ["slurm", "local"])
+def test_max_restarts_reaches_torchrun_with_the_store_unshared(fake, script):
+    """MAX_RESTARTS=N is torchrun's --max_restarts, and with it the rendezvous store is not shared with
+    the workers (shared, a restarted rank can read a dead rank's address: measured, see launch/README)."""
+    if script == "slurm":
+        exported, cmd = rendered(run(SBATCH, [], slurm_env(fake, DRY_RUN="1", MAX_RESTARTS="3")))
+        args = parse_torchrun(cmd[cmd.index("torchrun") + 1:])
+    else:
+        exported, cmd = rendered(run(LOCAL, [str(fake.config), "2"], dict(fake.env, DRY_RUN="1", MAX_RESTARTS="3")))
+        args = parse_torchrun(cmd[1:])
+    assert args.max_restarts == 3 and exported["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    env = (slurm_env(fake, DRY_RUN="1", MAX_RESTARTS="-1") if script == "slurm"
+           else dict(fake.env, DRY_RUN="1", MAX_RESTARTS="two"))
+    proc = run(SBATCH if script == "slurm" else LOCAL, [] if script == "slurm" else [str(fake.config), "2"], env)
+    assert proc.returncode == 2 and "is not a number of restarts" in proc.stderr
+    if script == "local":       # one process runs without torchrun: nothing would restart it
+        proc = run(LOCAL, [str(fake.config)], dict(fake.env, DRY_RUN="1", MAX_RESTARTS="1"))
+        assert proc.returncode == 2 and "MAX_RESTARTS=1 needs NPROC > 1" in proc.stderr
 
 
 def test_slurm_run_executes_exactly_what_it_prints(fake):
