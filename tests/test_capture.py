@@ -593,10 +593,10 @@ def test_moments_count_a_checkpointed_forward_once():
     still count each forward once, as the output gradients' do (R and C of the same tokens)."""
     torch.manual_seed(0)
     x = torch.randn(3, 5, 5)
-    counts = {}
+    counts, first = {}, None
     for reentrant in (None, False, True):
         model = _CheckpointedMLP(bool(reentrant))
-        model.load_state_dict(_CheckpointedMLP(False).state_dict() if not counts else first)
+        model.load_state_dict(_CheckpointedMLP(False).state_dict() if first is None else first)
         first = model.state_dict()
         if reentrant is None:
             model.forward = lambda t, m=model: m.head(m.inner(t))
