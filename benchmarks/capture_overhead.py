@@ -18,8 +18,9 @@ plain arm's.
     python benchmarks/capture_overhead.py --arch linear --device cuda --autocast bf16 \
         --d-model 1024 --n-layers 8 --seq 1024 --batch 16 --vocab 32000   # on a GPU, no ai2-olmo
 
-``--arch linear`` is the peers benchmark's causal LM of plain ``nn.Linear`` layers (the same sizes,
-mlp_ratio 8, an untied head): it needs no ai2-olmo, so it runs on a GPU machine that lacks it. On
+``--arch linear`` is the peers benchmark's causal LM of plain ``nn.Linear`` layers (the same d_model,
+layers and vocabulary, an untied head; a GELU MLP of width 8·d_model: 16·d² weights a block against
+OLMo SwiGLU's 12·d²): it needs no ai2-olmo, so it runs on a GPU machine that lacks it. On
 ``--device cuda`` every block is timed from and to a synchronized device.
 """
 
@@ -139,6 +140,8 @@ def main(argv=None) -> dict:
     p.add_argument("--flush-every", type=int, default=64)
     p.add_argument("--ks", default="16,64")
     args = p.parse_args(argv)
+    if args.arch == "linear" and args.tied:
+        p.error("--tied: the plain nn.Linear LM (--arch linear) has an untied head only")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
 

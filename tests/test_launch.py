@@ -167,7 +167,7 @@ def test_slurm_dry_run_renders_multinode_torchrun(fake):
     assert exported["WANDB_MODE"] == "offline"
     assert exported["OMP_NUM_THREADS"] == "8"  # 32 CPUs per task / 4 ranks
     assert exported["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    # no torchrun restarts unless asked: a failure ends the job (Slurm's requeue resumes it)
+    # no torchrun restarts unless asked: a failure ends the job (a requeue or resubmission resumes it)
     assert args.max_restarts == 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in exported
 
 

@@ -173,7 +173,8 @@ def test_worker_reports_a_failure_with_its_reason(workdir, tmp_path):
 def test_the_gpu_run_is_refused_without_cuda_and_only_device_aware_adapters_run_off_cpu(tmp_path, monkeypatch):
     """``--device cuda`` (benchmarks/peers/gpu_check.sh on a lent GPU) needs a CUDA torch; off CPU
     every peer and olmo_tda's projected rows run; our unprojected row (tens of GB there) says it runs on
-    CPU only; ``--here`` takes a peer from this interpreter (any torch), and a missing one is a failed row with the reason."""
+    CPU only; ``--here`` takes a peer from this interpreter (any torch), and a missing one is a failed
+    row with the reason."""
     import run as peers
     import venvs
 

@@ -146,11 +146,17 @@ def test_resume_reproduces_the_rewritten_order(data_dir):
     _run(args + ["--save_overwrite"])
     c = _trained_ids(elsewhere)
     assert sorted(c) == list(range(5, 13)) and all(np.array_equal(a[step], c[step]) for step in c)
-    # selection switched off on resume: allowed (the user's call), and said
+    # selection switched off on resume: allowed (the user's call), and said; its checkpoints keep the
+    # rounds applied before, so switching it back on beside a log without them is refused
+    off_dir = data_dir / "sel_off_resumed"
     off = _train(_sel_args(data_dir, "sel_off_resumed", 5, f"--load_path={full / 'step4-unsharded'}",
-                           "--tda.selection.enabled=false"))
+                           "--tda.selection.enabled=false", "--save_interval_unsharded=5"))
     assert off.returncode == 0, off.stderr[-4000:]
     assert "had applied 1 selection rounds by step 4, and tda.selection is off now" in off.stdout + off.stderr
+    back_on = _train(_sel_args(data_dir, "sel_off_resumed", 6, "--save_interval_unsharded=5", "--save_overwrite",
+                               f"--load_path={off_dir / 'step5-unsharded'}"))
+    assert back_on.returncode != 0
+    assert "had applied 1 selection rounds by step 5" in back_on.stdout + back_on.stderr
     # restore_dataloader: false (the weights only, e.g. to train on): the data restarts at step 0, so
     # no round of that run applies and a new folder without its log is not refused; its own rounds
     # rewrite its own order as a fresh run's do
@@ -320,17 +326,24 @@ def test_deepspeed_callback_two_ranks_and_resume(tmp_path, stage):
     log_file = run / "tda" / "selection" / "rounds.jsonl"
     full_log = log_file.read_text()
     log_file.write_text("".join(full_log.splitlines(keepends=True)[:2]))
+    records = {name: (run / name).read_bytes() for name in ("run.json", "config.json", "checkpoints/latest")}
     refused = subprocess.run([*cmd, *common, "--steps=10"], capture_output=True, text=True, timeout=600, env=env,
                              cwd=tmp_path)
     assert refused.returncode != 0 and "exitcode  : 2" in refused.stderr, refused.stderr[-4000:]   # ConfigError
     assert "had applied 4 selection rounds by step 8" in refused.stderr and "holds 2" in refused.stderr
-    assert len(log_file.read_text().splitlines()) == 2 and "step 9" not in refused.stderr
-    # selection switched off on resume: allowed (the user's call), and said
-    log_file.write_text(full_log)
+    # refused before this launch wrote anything: the run's records and its log are as they were
+    assert {name: (run / name).read_bytes() for name in records} == records
+    assert len(log_file.read_text().splitlines()) == 2 and not (run / "checkpoints" / "step10").exists()
+    # selection switched off on resume: allowed (the user's call), and said; its step-9 checkpoint keeps
+    # the 4 rounds, so switching selection back on beside the cut log is still refused
     plain = subprocess.run([*cmd, *common, "--steps=9", "--tda.selection.enabled=false"], capture_output=True,
                            text=True, timeout=600, env=env, cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr[-4000:]
     assert "had applied 4 selection rounds by step 8, and tda.selection is off now" in plain.stderr
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step9"
+    back_on = subprocess.run([*cmd, *common, "--steps=10"], capture_output=True, text=True, timeout=600, env=env,
+                             cwd=tmp_path)
+    assert back_on.returncode != 0 and "had applied 4 selection rounds by step 9" in back_on.stderr
 
 
 def test_a_round_inside_the_olmo_trainer_leaves_weights_optimizer_and_rngs_untouched(data_dir):

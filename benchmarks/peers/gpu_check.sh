@@ -49,12 +49,13 @@ done 2>&1 | tee "$out/install.txt"
 export PYTHONPATH="$PWD:$PWD/.gpu_lib${PYTHONPATH:+:$PYTHONPATH}"
 export OLMO_TDA_TESTS_COLD=1
 
-timeout 100 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_store.py tests/test_capture.py 2>&1 | tee "$out/gpu_tests.txt"
+timeout 100 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_store.py tests/test_capture.py 2>&1 \
+  | tee "$out/gpu_tests.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 # shellcheck disable=SC2086  # PEERS_ARGS is a list of flags
-timeout 470 "$PY" benchmarks/peers/run.py --here --device "$DEVICE" --systems "$SYSTEMS" $PEERS_ARGS \
-  --timeout 200 --out "$out/peers_cuda.json" 2>&1 | tee "$out/peers_cuda.txt"
+timeout 470 "$PY" benchmarks/peers/run.py --here --device "$DEVICE" --systems "$SYSTEMS" \
+  $PEERS_ARGS --timeout 200 --out "$out/peers_cuda.json" 2>&1 | tee "$out/peers_cuda.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 date -u | tee -a "$out/machine.txt"
 exit $status

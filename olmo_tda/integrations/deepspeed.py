@@ -598,32 +598,21 @@ class DeepSpeedSelection:
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` carries so that a resume can tell whether its log still holds
         the rounds that made the order: their count and the log's folder (JSON-able)."""
-        return {"log": str(self.selector.log.folder.resolve()), "rounds": self._rounds_up_to(step)}
-
-    def _rounds_up_to(self, step: int) -> int:
-        return sum(1 for r in self.selector.log.rounds() if r["step"] <= step)
+        epoch = (step * self.per_step) // self.order.num
+        return {"log": str(self.selector.log.folder.resolve()),
+                "rounds": rounds_up_to(self.selector.log.rounds(), epoch, step)}
 
     def resume(self, step: int, saved: Mapping[str, Any] | None = None) -> int:
         """Forget rounds after ``step`` (they re-run); the order replays the rest. Returns how many
-        were dropped. ``saved``, the checkpoint's :meth:`state_dict`, is checked first: a log holding
-        fewer rounds by ``step`` than the checkpoint's run had applied (a resume beside another run's
-        log, a log lost or cut) is refused, since the order could not be replayed and training would
-        go on in the plain order without a word."""
-        if saved:
-            decided_on_rank0(lambda: self._check_log_holds(step, saved), catch=ConfigError)
-        dropped = self.selector.log.truncate_after((step * self.per_step) // self.order.num, step)
+        were dropped. ``saved``, the checkpoint's :meth:`state_dict`, is checked first
+        (:func:`check_selection_log`)."""
+        epoch = (step * self.per_step) // self.order.num
+        check_selection_log(self.selector.log.folder, epoch, step, saved)
+        dropped = self.selector.log.truncate_after(epoch, step)
         if _world_size() > 1:
             dist.barrier()
         self.order.reset()
         return dropped
-
-    def _check_log_holds(self, step: int, saved: Mapping[str, Any]) -> None:
-        held, want = self._rounds_up_to(step), int(saved.get("rounds", 0))
-        if held < want:
-            raise ConfigError(f"tda.selection: the checkpoint's run had applied {want} selection rounds by step {step} "
-                              f"(logged in {saved.get('log')}), but this run's log {self.selector.log.folder} holds "
-                              f"{held}: the data order cannot be replayed. Resume in that run's run_dir, or copy its "
-                              "tda/selection folder here first")
 
     def on_step_end(self, step: int) -> dict | None:
         """Run a round if one is due after optimizer step ``step``; returns its stats."""
@@ -640,6 +629,35 @@ class DeepSpeedSelection:
 
     def close(self) -> None:
         self.selector.close()
+
+
+def rounds_up_to(rounds: Iterable[Mapping[str, Any]], epoch: int, step: int) -> int:
+    """How many of a log's rounds a resume at (``epoch``, ``step``) keeps: the rule of
+    :meth:`~olmo_tda.training.selection.SelectionLog.truncate_after`."""
+    return sum(1 for r in rounds if (r["epoch"], r["step"]) <= (epoch, step))
+
+
+def check_selection_log(folder: str | Path, epoch: int, step: int, saved: Mapping[str, Any] | None) -> None:
+    """Refuse (on every rank alike; rank 0 reads the log) a resume whose round log in ``folder`` keeps
+    fewer rounds at (``epoch``, ``step``) than ``saved``, the checkpoint's
+    :meth:`DeepSpeedSelection.state_dict`, says its run had applied: a resume beside another run's log,
+    or a log lost or cut. The order could not be replayed, and training would go on in the plain order
+    without a word. A checkpoint without that state (``None``) is not checked."""
+    from ..training.selection import SelectionError, SelectionLog
+
+    if not saved:
+        return
+
+    def check() -> None:
+        held = rounds_up_to(SelectionLog(folder, writer=False).rounds(), epoch, step)
+        want = int(saved.get("rounds", 0))
+        if held < want:
+            raise ConfigError(f"tda.selection: the checkpoint's run had applied {want} selection rounds by step {step} "
+                              f"(logged in {saved.get('log')}), but this run's log {folder} holds {held}: the data "
+                              "order cannot be replayed. Resume in that run's run_dir, or copy its tda/selection folder "
+                              "here first")
+
+    decided_on_rank0(check, catch=(ConfigError, SelectionError))
 
 
 def _close_at_exit(ref: weakref.WeakMethod) -> None:

@@ -316,7 +316,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     from olmo.config import ModelConfig
 
-    from .deepspeed import attach, estimate_basis
+    from .deepspeed import attach, check_selection_log, estimate_basis
     from .olmo import basis_path
 
     run_dir = Path(cfg["run_dir"])
@@ -362,6 +362,10 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             # DeepSpeed fails on a checkpoint of another ZeRO stage with an empty AssertionError
             decided_on_rank0(lambda: _check_same_zero(run_dir, ckpt, stage, world), catch=ConfigError)
             _, client_state = engine.load_checkpoint(str(ckpt))     # tda resumes its store from it too
+            if tda.enabled and tda.selection.enabled:   # refused here, before this launch writes anything
+                per_step = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * world
+                check_selection_log(run_dir / "tda" / "selection", engine.global_steps * per_step // len(data),
+                                    engine.global_steps, (client_state or {}).get(SELECTION_KEY))
         except (ConfigError, StoreError):
             session.close()                          # tda's own refusals name their remedy
             raise
@@ -411,13 +415,18 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     selection = None
     if tda.enabled and tda.selection.enabled:
         selection = _start_selection(engine, tda, session, data, data_order, cfg, run_dir)
-        # a start without a checkpoint: an earlier log's rounds go; a resume: the log must hold the
-        # checkpoint's rounds
+        # a start without a checkpoint: an earlier log's rounds go; a resume: the log holds the
+        # checkpoint's rounds (checked above)
         selection.resume(engine.global_steps, (client_state or {}).get(SELECTION_KEY))
-    elif (client_state or {}).get(SELECTION_KEY, {}).get("rounds"):
-        log.warning("the checkpoint's run had applied %d selection rounds by step %d, and tda.selection is off now: "
-                    "this run trains on the plain data order from here", client_state[SELECTION_KEY]["rounds"],
-                    engine.global_steps)
+        carried = None
+    else:
+        # the rounds applied before selection was switched off go on in this run's checkpoints, so that
+        # switching it back on later is still checked against them
+        carried = (client_state or {}).get(SELECTION_KEY)
+        if carried and carried.get("rounds"):
+            log.warning("the checkpoint's run had applied %d selection rounds by step %d, and tda.selection is off "
+                        "now: this run trains on the plain data order from here", carried["rounds"],
+                        engine.global_steps)
     device = engine.device
     t0, losses = time.perf_counter(), []
     for step in range(engine.global_steps + 1, steps + 1):
@@ -438,9 +447,9 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         if rank == 0 and (step % 10 == 0 or step == steps):
             log.info("step %d/%d loss %.4f lr %.2e", step, steps, step_loss, engine.get_lr()[0])
         if save_every and step % save_every == 0:
-            engine.save_checkpoint(str(ckpt), tag=f"step{step}", client_state=_client_state(selection, step))
+            engine.save_checkpoint(str(ckpt), tag=f"step{step}", client_state=_client_state(selection, step, carried))
     if save_every and steps % save_every:
-        engine.save_checkpoint(str(ckpt), tag=f"step{steps}", client_state=_client_state(selection, steps))
+        engine.save_checkpoint(str(ckpt), tag=f"step{steps}", client_state=_client_state(selection, steps, carried))
     _save_final_weights(engine, run_dir / WEIGHTS_FILE, rank)
     summary = {"steps": steps, "final_loss": losses[-1] if losses else None, "seconds": time.perf_counter() - t0,
                "zero_stage": stage, "world_size": world,
@@ -559,8 +568,9 @@ SELECTION_KEY = "tda_selection"
 """Key of the selection's state (rounds applied, log folder) in this script's checkpoints' client_state."""
 
 
-def _client_state(selection: Any, step: int) -> dict[str, Any]:
-    return {SELECTION_KEY: selection.state_dict(step)} if selection is not None else {}
+def _client_state(selection: Any, step: int, carried: dict[str, Any] | None) -> dict[str, Any]:
+    state = selection.state_dict(step) if selection is not None else carried
+    return {SELECTION_KEY: state} if state else {}
 
 
 def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData, data_order: DataOrder,

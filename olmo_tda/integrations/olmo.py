@@ -167,6 +167,7 @@ class TDATrainer(Trainer):
         self._rows_captured = 0
         self._metrics_file = None
         self.selector = None
+        self._carried_selection = None      # a checkpoint's selection state, kept on while selection is off
         if not self.tda.enabled:
             return
         tda_dir = Path(self.cfg.save_folder) / "tda"
@@ -505,6 +506,8 @@ class TDATrainer(Trainer):
         if self.selector is not None:       # what a resume's log must hold to replay this step's order
             state["tda_selection"] = {"log": str(self.selector.log.folder.resolve()),
                                       "rounds": len(self._rounds_up_to(int(self.epoch or 0), self.global_step))}
+        elif self._carried_selection:       # switched off: switching it back on is still checked against them
+            state["tda_selection"] = dict(self._carried_selection)
         return _weights_only_safe(state)
 
     def restore_rng_state(self, rng_state: dict[str, Any]) -> None:
@@ -531,6 +534,7 @@ class TDATrainer(Trainer):
         if self.selector is not None and not new_timeline:
             self._check_selection_log(state_dict.get("tda_selection"))
         elif not new_timeline and (state_dict.get("tda_selection") or {}).get("rounds"):
+            self._carried_selection = dict(state_dict["tda_selection"])
             log.warning("tda: the checkpoint's run had applied %d selection rounds by step %d, and tda.selection is "
                         "off now: this run trains on the plain data order from here",
                         state_dict["tda_selection"]["rounds"], self.global_step)
