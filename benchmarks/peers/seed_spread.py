@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,13 +42,14 @@ def main(argv=None) -> dict:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--seeds", type=int, default=8)
     p.add_argument("--workdir", type=Path, default=None,
-                   help="keep the prepared workload here and reuse it when its workload.json matches")
+                   help="keep the prepared workload here and reuse it when its workload.json matches (any k)")
     args = p.parse_args(argv)
     w = Workload(d_model=args.d_model, n_layers=args.n_layers, seq_len=args.seq_len, n_train=args.n_train,
                  batch=args.batch, k=args.k)
     workdir = args.workdir or Path(f"/tmp/olmo_tda_seed_spread_d{w.d_model}_l{w.n_layers}_t{w.seq_len}_n{w.n_train}")
     t0 = time.perf_counter()
-    if not ((workdir / "workload.json").exists() and Workload.load(workdir / "workload.json") == w):
+    # k does not enter the prepared data, checkpoint or exact scores: a workload prepared at another k is reused
+    if not ((workdir / "workload.json").exists() and replace(Workload.load(workdir / "workload.json"), k=w.k) == w):
         prepare(workdir, w)
     model = build_model(w)
     model.load_state_dict(torch.load(workdir / "model.pt", weights_only=True))
