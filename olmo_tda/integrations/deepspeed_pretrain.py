@@ -416,8 +416,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     if tda.enabled and tda.selection.enabled:
         selection = _start_selection(engine, tda, session, data, data_order, cfg, run_dir)
         # a start without a checkpoint: an earlier log's rounds go; a resume: the log holds the
-        # checkpoint's rounds (checked above)
-        selection.resume(engine.global_steps, (client_state or {}).get(SELECTION_KEY))
+        # checkpoint's rounds (checked above, right after the load: not read and broadcast again here)
+        selection.resume(engine.global_steps)
         carried = None
     else:
         # the rounds applied before selection was switched off go on in this run's checkpoints, so that
