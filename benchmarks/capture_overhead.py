@@ -22,6 +22,13 @@ plain arm's.
 layers and vocabulary, an untied head; a GELU MLP of width 8·d_model: 16·d² weights a block against
 OLMo SwiGLU's 12·d²): it needs no ai2-olmo, so it runs on a GPU machine that lacks it. On
 ``--device cuda`` every block is timed from and to a synchronized device.
+
+``--breakdown`` splits a capture arm's overhead: it adds, per k, an arm ``k<k>-cap`` that captures
+and assembles each step's per-example gradients on the device but stores nothing, and prints what
+part of each storing arm's step is the final drain of its store (``of it flush s``: encoding, HDF5
+and fsync of the block's window that the writer thread had not finished while the steps ran).
+``k<k>-cap`` − plain is the capture's own compute; ``k<k>`` − ``k<k>-cap`` is the store's (its
+device-to-host copy, the writer thread's share of the CPU, and the drain).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -65,7 +73,7 @@ def build_model(args):
 class Trainer:
     """One model and optimizer; each arm is a (capture, store) pair, or none for the plain step."""
 
-    def __init__(self, args, ks: list[int], root: Path):
+    def __init__(self, args, ks: list[int], root: Path, breakdown: bool = False):
         self.model = build_model(args).to(args.device)
         self.autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16,
                                        enabled=args.autocast == "bf16")
@@ -78,7 +86,12 @@ class Trainer:
             store = GradientStore.create(root / f"k{k}", cap.store_metadata(),
                                          StoreConfig(dtype=StoreDType(args.dtype), flush_every=args.flush_every))
             self.arms[f"k{k}"] = (cap, store)
+            if breakdown:
+                cap_only = GradientCapture(self.model, CaptureConfig(proj_dim=k))
+                cap_only.pause()
+                self.arms[f"k{k}-cap"] = (cap_only, None)
         self.times = {name: [] for name in self.arms}
+        self.flush_times = {name: [] for name, (_, store) in self.arms.items() if store is not None}
         self.cpu_times = {name: [] for name in self.arms}
         self.examples = {name: 0 for name in self.arms}
         self.step_no = 0
@@ -99,27 +112,47 @@ class Trainer:
                 loss.backward()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        if cap is not None:
+        if store is not None:
             store.append(rec.to_record(step=self.step_no, lr=1e-4))
+        elif cap is not None:
+            rec.stored()          # assembled on the device, as for the store, then dropped
         self.examples[arm] += batch.shape[0]
         self.step_no += 1
 
     def block(self, arm: str, batches: list[torch.Tensor], measure: bool) -> None:
         """Run a block; record (wall, CPU) seconds per step, the store drained inside the timing."""
         cap, store = self.arms[arm]
-        wall, cpu = timed_block(lambda batch: self.step(arm, batch), batches, cap, store, self.sync)
+        phases = {}
+        wall, cpu = timed_block(lambda batch: self.step(arm, batch), batches, cap, store, self.sync, phases)
         if measure:
             self.times[arm].append(wall)
             self.cpu_times[arm].append(cpu)
+            if store is not None:
+                self.flush_times[arm].append(phases["flush"])
 
     def close(self) -> dict[str, int]:
-        sizes = {"plain": 0}
+        sizes = {}
         for name, (cap, store) in self.arms.items():
+            sizes[name] = 0
             if store is not None:
                 store.close()
                 sizes[name] = GradientStore.open(store.path).nbytes
+            if cap is not None:
                 cap.remove()
         return sizes
+
+
+def profile_block(trainer: Trainer, arm: str, batches: list[torch.Tensor], device: str) -> None:
+    """One block of ``arm`` under torch.profiler: its operators, by self device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.block(arm, batches, measure=False)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"profile of one block of {arm} ({len(batches)} steps), by {key}:")
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
 
 
 def main(argv=None) -> dict:
@@ -139,24 +172,40 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="float32", choices=[d.value for d in StoreDType])
     p.add_argument("--flush-every", type=int, default=64)
     p.add_argument("--ks", default="16,64")
+    p.add_argument("--breakdown", action="store_true",
+                   help="add a capture-only arm per k and show each store's drain (see above)")
+    p.add_argument("--profile", metavar="ARMS",
+                   help="after the timing, run one block of each of these arms (comma-separated, e.g. "
+                        "plain,k16-cap) under torch.profiler and print its operators by self device time "
+                        "(self CPU time on cpu)")
     args = p.parse_args(argv)
     if args.arch == "linear" and args.tied:
         p.error("--tied: the plain nn.Linear LM (--arch linear) has an untied head only")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
 
+    unknown = [arm for arm in (args.profile or "").split(",") if arm and arm != "plain"
+               and arm not in {f"k{k}" for k in args.ks.split(",")} | ({f"k{k}-cap" for k in args.ks.split(",")}
+                                                                        if args.breakdown else set())]
+    if unknown:
+        p.error(f"--profile: no arm {', '.join(unknown)} (arms: plain, k<k> for --ks, k<k>-cap with --breakdown)")
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(args, [int(k) for k in args.ks.split(",")], Path(tmp))
+        trainer = Trainer(args, [int(k) for k in args.ks.split(",")], Path(tmp), args.breakdown)
         names = list(trainer.arms)
         for round_ in range(args.rounds + 1):
             batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)
                        for _ in range(args.block)]
             for arm in (names if round_ % 2 == 0 else names[::-1]):    # alternate who goes first
                 trainer.block(arm, batches, measure=round_ >= 1)
+        for arm in args.profile.split(",") if args.profile else []:
+            profile_block(trainer, arm, batches, args.device)
         bytes_per_arm = trainer.close()
     rows = summarize(names, trainer.times, trainer.cpu_times, bytes_per_arm, trainer.examples)
+    for row in rows:
+        if args.breakdown and row["arm"] in trainer.flush_times:
+            row["flush_s"] = statistics.median(trainer.flush_times[row["arm"]])
     plain = rows[0]["median_s"]
     print(f"capture overhead: {'OLMo' if args.arch == 'olmo' else 'plain nn.Linear LM'} on {args.device} "
           f"(autocast {args.autocast}) d_model={args.d_model} layers={args.n_layers} seq={args.seq} batch={args.batch} "
@@ -169,6 +218,7 @@ def main(argv=None) -> dict:
               "rounds": args.rounds, "block": args.block, "plain_s": plain, "store_dtype": args.dtype,
               **{f"ratio_{r['arm']}": round(r["ratio"], 4) for r in rows[1:]},
               **{f"cpu_ratio_{r['arm']}": round(r["cpu_ratio"], 4) for r in rows[1:]},
+              **{f"flush_s_{r['arm']}": round(r["flush_s"], 5) for r in rows if "flush_s" in r},
               "torch": torch.__version__, "python": platform.python_version(),
               "gpu": torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else None}
     print(json.dumps(result))

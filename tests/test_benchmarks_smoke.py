@@ -25,6 +25,28 @@ def test_capture_overhead_runs():
     assert res["benchmark"] == "capture_overhead" and res["ratio_k16"] > 0 and res["ratio_k64"] > 0
 
 
+def test_capture_overhead_breakdown_and_profile():
+    """--breakdown adds a capture-only arm per k and each store's drain; --profile prints operator tables."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "capture_overhead.py"), "--arch", "linear",
+                          "--d-model", "64", "--n-layers", "1", "--seq", "16", "--batch", "2", "--vocab", "128",
+                          "--rounds", "1", "--block", "1", "--ks", "8", "--breakdown", "--profile", "plain,k8-cap"],
+                         check=True, capture_output=True, text=True, timeout=600).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["ratio_k8"] > 0 and res["ratio_k8-cap"] > 0 and res["flush_s_k8"] >= 0
+    assert "flush_s_k8-cap" not in res                       # it has no store to drain
+    assert "profile of one block of plain" in out and "profile of one block of k8-cap" in out
+    # the capture-only arm runs capture's own projections on top of the plain step's matmuls
+    plain_table, cap_table = out.split("profile of one block of plain")[1].split("profile of one block of k8-cap")
+
+    def mm_calls(table):
+        return int(next(line.split()[-1] for line in table.splitlines() if line.split()[:1] == ["aten::mm"]))
+
+    assert mm_calls(cap_table) > mm_calls(plain_table)
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "capture_overhead.py"), "--ks", "8",
+                          "--profile", "k8-cap"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "no arm k8-cap" in bad.stderr
+
+
 def test_projection_fidelity_runs():
     res = _last_json("projection_fidelity.py", "--d-models", "64", "--steps", "5", "--num-train", "16",
                      "--num-queries", "2", "--ks", "64", "--kinds", "orthogonal", "--seeds", "1")
