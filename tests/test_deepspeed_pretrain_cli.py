@@ -77,8 +77,27 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
     assert zero3.returncode == 2
     assert (f"deepspeed.zero_optimization.stage: 3, but the checkpoint in {run / 'checkpoints'} was written at ZeRO "
             "stage 2") in error_line(zero3.stderr)
+    # another global batch (examples a step): the data order is read by step x batch, so refused, naming both
+    bigger = run_script(tmp_path, f"--run_dir={run}", "--steps=3", *SMALL,
+                        "--deepspeed.train_micro_batch_size_per_gpu=4")
+    assert bigger.returncode == 2
+    assert ("deepspeed.train_batch_size: 8 examples a step (train_micro_batch_size_per_gpu 4 x "
+            f"gradient_accumulation_steps 2 x 1 rank(s)), but the checkpoint in {run / 'checkpoints'} trained 8 "
+            "examples in 2 steps (4 a step)") in error_line(bigger.stderr)
     # the refused runs left the files of the run they refused to continue as they were
     assert {name: (run / name).read_bytes() for name in written} == written
+    # the same batch split otherwise (micro-batch 1, accumulation 4) resumes, and step 3 reads the examples
+    # the first split would have
+    split = run_script(tmp_path, f"--run_dir={run}", "--steps=3", *SMALL,
+                       "--deepspeed.train_micro_batch_size_per_gpu=1", "--deepspeed.gradient_accumulation_steps=4")
+    assert split.returncode == 0, split.stderr[-4000:]
+    from olmo_tda.store import GradientStore
+
+    block = GradientStore.open(run / "tda" / "store").read_all(layers=[], steps=[3])
+    num = len(script.TokenData(run_json["data_paths"], 32))
+    want = [int(i) for m in range(2) for i in script.step_ids(3, 0, m, world=1, micro_bs=2, gas=2, num=num, seed=0)]
+    assert sorted(block.ids.tolist()) == sorted(want) and len(want) == 4
+    summary["tda"]["rows_captured"] += 4
     # without its checkpoint the run cannot be resumed, and its store is not appended to by a new one
     shutil.rmtree(run / "checkpoints")
     fresh = run_script(tmp_path, f"--run_dir={run}", "--steps=2", *SMALL)

@@ -362,6 +362,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             # DeepSpeed fails on a checkpoint of another ZeRO stage with an empty AssertionError
             decided_on_rank0(lambda: _check_same_zero(run_dir, ckpt, stage, world), catch=ConfigError)
             _, client_state = engine.load_checkpoint(str(ckpt))     # tda resumes its store from it too
+            _check_same_batch(engine, ckpt, world)
             if tda.enabled and tda.selection.enabled:   # refused here, before this launch writes anything
                 per_step = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * world
                 check_selection_log(run_dir / "tda" / "selection", engine.global_steps * per_step // len(data),
@@ -515,6 +516,25 @@ def _check_same_zero(run_dir: Path, ckpt: Path, stage: int, world: int) -> None:
         raise ConfigError(f"the checkpoint in {ckpt} was written by {then_world} rank(s) and this run has {world}: "
                           f"DeepSpeed cannot repartition ZeRO-{stage} optimizer state over another number of ranks; "
                           f"resume with {then_world} rank(s), or give a new run_dir to start over")
+
+
+def _check_same_batch(engine: Any, ckpt: Path, world: int) -> None:
+    """Refuse, naming both, a resume whose global batch (examples a step) differs from the one the
+    checkpoint's run trained with: this script reads example ``(step - 1) · batch + i`` at each step, so
+    another batch would skip or repeat examples (and shift selection's rounds). The checkpoint's batch
+    is DeepSpeed's own count, ``global_samples / global_steps``. Micro-batch size, gradient accumulation
+    and (ZeRO-0) rank count may change if their product stays the same."""
+    steps, samples, batch = engine.global_steps, engine.global_samples, engine.train_batch_size()
+    if steps and samples != steps * batch:
+        then = f"{samples // steps}" if samples % steps == 0 else f"{samples / steps:.2f} on average"
+        raise ConfigError(
+            f"deepspeed.train_batch_size: {batch} examples a step (train_micro_batch_size_per_gpu "
+            f"{engine.train_micro_batch_size_per_gpu()} x gradient_accumulation_steps "
+            f"{engine.gradient_accumulation_steps()} x {world} rank(s)), but the checkpoint in {ckpt} trained "
+            f"{samples} examples in {steps} steps ({then} a step): the data order is read by step x batch, so "
+            f"another batch would skip or repeat examples. Resume with {then} examples a step (micro-batch size "
+            f"and gradient accumulation may change if their product x ranks stays the same), or give a new "
+            f"run_dir to start over")
 
 
 def _restart_of_run(run_dir: Path) -> str | None:
