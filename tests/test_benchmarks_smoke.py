@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -279,3 +280,15 @@ def test_selection_refuses_a_pool_the_filter_arms_would_exhaust():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "selection.py"), "--quick", "--n-each", "2000"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "would read 8000 candidates but the pool holds 6000" in out.stderr
+
+
+def test_gpu_overhead_script_dry_run(tmp_path):
+    """benchmarks/gpu_overhead.sh (the prepared capture-overhead device check) runs end to end on CPU."""
+    env = {**os.environ, "DEVICE": "cpu", "SIZES": "64:1:16:2", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_overhead.sh"), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = (tmp_path / "overhead_d64.txt").read_text()
+    assert json.loads(table.strip().splitlines()[-1])["ratio_k16-cap"] > 0
+    profile = (tmp_path / "profile.txt").read_text()
+    assert "profile of one block of plain" in profile and "profile of one block of k16-cap" in profile
