@@ -45,6 +45,11 @@ def error_line(stderr: str) -> str:
     return lines[0]
 
 
+def store_files(run: Path) -> dict[str, bytes]:
+    """Every file of the run's gradient store, by path, with its bytes."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted((run / "tda" / "store").rglob("*")) if p.is_file()}
+
+
 def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
     """No RANK/WORLD_SIZE (plain ``python -m``): a process group of one (DeepSpeed would look for
     MPI otherwise), a queryable run; a rerun asking for fewer steps than its checkpoint is refused."""
@@ -58,6 +63,8 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
     run_json = json.loads((run / script.RUN_JSON).read_text())
     assert run_json["seq_len"] == run_json["model"]["max_sequence_length"] == 32
     written = {name: (run / name).read_bytes() for name in ("config.json", script.RUN_JSON)}
+    assert run_json["train_batch_size"] == 4
+    stored = store_files(run)
     again = run_script(tmp_path, f"--run_dir={tmp_path / 'run'}", "--steps=1", *SMALL)
     assert again.returncode == 2
     assert "steps: 1 is below the step 2 of the checkpoint" in error_line(again.stderr)
@@ -82,10 +89,11 @@ def test_deepspeed_pretrain_runs_as_one_process_without_a_launcher(tmp_path):
                         "--deepspeed.train_micro_batch_size_per_gpu=4")
     assert bigger.returncode == 2
     assert ("deepspeed.train_batch_size: 8 examples a step (train_micro_batch_size_per_gpu 4 x "
-            f"gradient_accumulation_steps 2 x 1 rank(s)), but the checkpoint in {run / 'checkpoints'} trained 8 "
-            "examples in 2 steps (4 a step)") in error_line(bigger.stderr)
-    # the refused runs left the files of the run they refused to continue as they were
+            f"gradient_accumulation_steps 2 x 1 rank(s)), but the checkpoint in {run / 'checkpoints'} was written by "
+            "a run of 4 examples a step") in error_line(bigger.stderr)
+    # the refused runs left the files of the run they refused to continue as they were, its store's too
     assert {name: (run / name).read_bytes() for name in written} == written
+    assert store_files(run) == stored
     # the same batch split otherwise (micro-batch 1, accumulation 4) resumes, and step 3 reads the examples
     # the first split would have
     split = run_script(tmp_path, f"--run_dir={run}", "--steps=3", *SMALL,
@@ -314,6 +322,32 @@ def test_deepspeed_pretrain_trajectory_beside_a_moved_store_is_found_by_queries(
     assert [c.step for c in run.checkpoints()] == [0, 1, 2]
     answers = run.attribute(["def f(x): return x"], method="tracin-inrun", top_k=3)
     assert len(answers[0]["results"]) == 3
+
+
+def test_a_resume_with_another_global_batch_is_refused_by_run_json_or_deepspeeds_count():
+    """Before the load, run.json's train_batch_size decides; without it (an older run.json), DeepSpeed's
+    own count once loaded, global_samples / global_steps. Another split of the same batch passes."""
+    from types import SimpleNamespace
+
+    def engine(micro, gas, steps=0, samples=0):
+        return SimpleNamespace(train_batch_size=lambda: micro * gas * 2, train_micro_batch_size_per_gpu=lambda: micro,
+                               gradient_accumulation_steps=lambda: gas, global_steps=steps, global_samples=samples)
+
+    check, ckpt = script._check_same_batch, Path("ckpt")
+    check(engine(2, 2), ckpt, 2, 8)                         # the same batch
+    check(engine(1, 4), ckpt, 2, 8)                         # split otherwise
+    check(engine(2, 2), ckpt, 2, None)                      # nothing recorded, nothing loaded yet
+    check(engine(4, 1, steps=5, samples=40), ckpt, 2, None)
+    check(engine(2, 2), ckpt, 2, "8")                       # not a count: not ours to judge
+    with pytest.raises(ConfigError, match=r"train_batch_size: 16 examples a step \(train_micro_batch_size_per_gpu 4 "
+                                          r"x gradient_accumulation_steps 2 x 2 rank\(s\)\), but the checkpoint in "
+                                          r"ckpt was written by a run of 8 examples a step: .* Resume with 8 examples"):
+        check(engine(4, 2), ckpt, 2, 8)
+    with pytest.raises(ConfigError, match=r"trained 40 examples in 5 steps \(8 a step\).* Resume with 8 examples"):
+        check(engine(4, 2, steps=5, samples=40), ckpt, 2, None)
+    with pytest.raises(ConfigError, match=r"trained 44 examples in 5 steps \(8.80 on average a step\).* changed its "
+                                          r"batch part-way: give a new run_dir"):
+        check(engine(4, 2, steps=5, samples=44), ckpt, 2, None)
 
 
 def test_a_resume_under_another_zero_stage_or_rank_count_is_refused_before_deepspeed_loads(tmp_path):

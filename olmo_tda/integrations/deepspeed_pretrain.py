@@ -361,8 +361,14 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
         try:
             # DeepSpeed fails on a checkpoint of another ZeRO stage with an empty AssertionError
             decided_on_rank0(lambda: _check_same_zero(run_dir, ckpt, stage, world), catch=ConfigError)
+            recorded_batch, latest_step = decided_on_rank0(
+                lambda: (_saved_run(run_dir).get("train_batch_size"), _latest_step(ckpt)))
+            _check_same_batch(engine, ckpt, world, recorded_batch)
+            if latest_step is not None:      # before the load, which cuts the store back to that step
+                _check_steps(int(cfg["steps"]), latest_step, ckpt)
             _, client_state = engine.load_checkpoint(str(ckpt))     # tda resumes its store from it too
-            _check_same_batch(engine, ckpt, world)
+            # a run.json without the batch (written before it was recorded): DeepSpeed's own count, once loaded
+            _check_same_batch(engine, ckpt, world, None)
             if tda.enabled and tda.selection.enabled:   # refused here, before this launch writes anything
                 per_step = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * world
                 check_selection_log(run_dir / "tda" / "selection", engine.global_steps * per_step // len(data),
@@ -376,10 +382,11 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
                               f"{_one_line(e)[:400]} -- run with the config that wrote it ({run_dir / 'config.json'}), "
                               f"or give a new run_dir to start over") from None
         log.info("resumed from %s at step %d", ckpt, engine.global_steps)
-        if engine.global_steps > int(cfg["steps"]):   # a checkpoint tagged step{steps} would hold a later step
+        try:                                          # a checkpoint tagged step{steps} would hold a later step
+            _check_steps(int(cfg["steps"]), engine.global_steps, ckpt)
+        except ConfigError:
             session.close()
-            raise ConfigError(f"steps: {cfg['steps']} is below the step {engine.global_steps} of the checkpoint in "
-                              f"{ckpt}; give --steps >= {engine.global_steps}, or a new run_dir to start over")
+            raise
     elif session.store is not None and session.store.held_rows():
         rows, path = session.store.held_rows(), session.store.path
         # rank 0 reads run.json, which it rewrites below: every rank gets the one answer
@@ -409,7 +416,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
             "weights": WEIGHTS_FILE, "attempt": launch_attempt(),     # its later attempts may start over
-            "zero_stage": stage, "world_size": world})                # what its checkpoints need to load
+            "zero_stage": stage, "world_size": world,                 # what its checkpoints need to load
+            "train_batch_size": engine.train_batch_size()})           # and to read the same data order
 
     gas, micro_bs = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
     steps, save_every = int(cfg["steps"]), int(cfg.get("save_every") or 0)
@@ -518,23 +526,53 @@ def _check_same_zero(run_dir: Path, ckpt: Path, stage: int, world: int) -> None:
                           f"resume with {then_world} rank(s), or give a new run_dir to start over")
 
 
-def _check_same_batch(engine: Any, ckpt: Path, world: int) -> None:
+def _latest_step(ckpt: Path) -> int | None:
+    """The step of the checkpoint DeepSpeed's ``latest`` names, by this script's tags (``step<N>``);
+    None if it names another tag or cannot be read."""
+    try:
+        tag = (ckpt / "latest").read_text().strip()
+    except OSError:
+        return None
+    return int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else None
+
+
+def _check_steps(steps: int, step: int, ckpt: Path) -> None:
+    """Refuse a run asked for fewer steps than its checkpoint holds."""
+    if step > steps:
+        raise ConfigError(f"steps: {steps} is below the step {step} of the checkpoint in {ckpt}; give --steps >= "
+                          f"{step}, or a new run_dir to start over")
+
+
+def _check_same_batch(engine: Any, ckpt: Path, world: int, recorded: Any) -> None:
     """Refuse, naming both, a resume whose global batch (examples a step) differs from the one the
     checkpoint's run trained with: this script reads example ``(step - 1) · batch + i`` at each step, so
-    another batch would skip or repeat examples (and shift selection's rounds). The checkpoint's batch
-    is DeepSpeed's own count, ``global_samples / global_steps``. Micro-batch size, gradient accumulation
-    and (ZeRO-0) rank count may change if their product stays the same."""
-    steps, samples, batch = engine.global_steps, engine.global_samples, engine.train_batch_size()
-    if steps and samples != steps * batch:
-        then = f"{samples // steps}" if samples % steps == 0 else f"{samples / steps:.2f} on average"
-        raise ConfigError(
-            f"deepspeed.train_batch_size: {batch} examples a step (train_micro_batch_size_per_gpu "
-            f"{engine.train_micro_batch_size_per_gpu()} x gradient_accumulation_steps "
-            f"{engine.gradient_accumulation_steps()} x {world} rank(s)), but the checkpoint in {ckpt} trained "
-            f"{samples} examples in {steps} steps ({then} a step): the data order is read by step x batch, so "
-            f"another batch would skip or repeat examples. Resume with {then} examples a step (micro-batch size "
-            f"and gradient accumulation may change if their product x ranks stays the same), or give a new "
-            f"run_dir to start over")
+    another batch would skip or repeat examples (and shift selection's rounds). Micro-batch size,
+    gradient accumulation and (ZeRO-0) rank count may change if their product stays the same.
+
+    The checkpoint's batch is ``recorded`` (run.json's ``train_batch_size``: checked before the load,
+    which cuts the store and trajectory back to the checkpoint's step), or, with ``recorded`` None,
+    DeepSpeed's own count after the load, ``global_samples / global_steps`` (a checkpoint from before
+    DeepSpeed counted samples falls back to the current batch: then nothing is checked)."""
+    batch = engine.train_batch_size()
+    if recorded is not None:
+        if not isinstance(recorded, int) or recorded == batch:
+            return
+        then, steps, samples = str(recorded), None, None
+    else:
+        steps, samples = engine.global_steps, engine.global_samples
+        if not steps or samples == steps * batch:
+            return
+        then = str(samples // steps) if samples % steps == 0 else None
+    trained = f"trained {samples} examples in {steps} steps ({then or f'{samples / steps:.2f} on average'} a step)" \
+        if steps else f"was written by a run of {then} examples a step"
+    remedy = (f"Resume with {then} examples a step (micro-batch size and gradient accumulation may change if "
+              "their product x ranks stays the same), or give a new run_dir to start over") if then else \
+        "Its run changed its batch part-way: give a new run_dir to start over"
+    raise ConfigError(
+        f"deepspeed.train_batch_size: {batch} examples a step (train_micro_batch_size_per_gpu "
+        f"{engine.train_micro_batch_size_per_gpu()} x gradient_accumulation_steps "
+        f"{engine.gradient_accumulation_steps()} x {world} rank(s)), but the checkpoint in {ckpt} {trained}: the data "
+        f"order is read by step x batch, so another batch would skip or repeat examples. {remedy}")
 
 
 def _restart_of_run(run_dir: Path) -> str | None:
