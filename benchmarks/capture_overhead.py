@@ -184,15 +184,15 @@ def main(argv=None) -> dict:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this torch ({torch.__version__}) has no CUDA device")
 
+    ks = [int(k) for k in args.ks.split(",")]
     unknown = [arm for arm in (args.profile or "").split(",") if arm and arm != "plain"
-               and arm not in {f"k{k}" for k in args.ks.split(",")} | ({f"k{k}-cap" for k in args.ks.split(",")}
-                                                                        if args.breakdown else set())]
+               and arm not in {f"k{k}" for k in ks} | ({f"k{k}-cap" for k in ks} if args.breakdown else set())]
     if unknown:
         p.error(f"--profile: no arm {', '.join(unknown)} (arms: plain, k<k> for --ks, k<k>-cap with --breakdown)")
     torch.manual_seed(1)
     gen = torch.Generator().manual_seed(1)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(args, [int(k) for k in args.ks.split(",")], Path(tmp), args.breakdown)
+        trainer = Trainer(args, ks, Path(tmp), args.breakdown)
         names = list(trainer.arms)
         for round_ in range(args.rounds + 1):
             batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen).to(args.device)

@@ -9,7 +9,8 @@
 #    plain, k16, and k16 capturing without storing (k16-cap);
 # 2. at the first size, --profile plain,k16-cap: one block of each under torch.profiler, the operators by
 #    self device time (what the capture-only arm adds over the plain step).
-# Each step writes to OUT_DIR and has its own timeout; about 2.5 min in all: give the call timeout_s=240.
+# Each step writes to OUT_DIR and has its own timeout (120 s each: a fresh machine builds the d_model 2048
+# model on its CPU first); 2.5-6 min in all: give the call timeout_s=420.
 # DEVICE=cpu SIZES=64:1:16:2 is a dry run of the script itself.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -20,16 +21,16 @@ DEVICE="${DEVICE:-cuda}"
 SIZES="${SIZES:-1024:8:1024:16 2048:8:2048:8}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
-first=""
+first=()
 for size in $SIZES; do
   IFS=: read -r d layers seq batch <<< "$size"
   args=(benchmarks/capture_overhead.py --arch linear --device "$DEVICE" --autocast bf16 --vocab 32000 --ks 16
         --breakdown --d-model "$d" --n-layers "$layers" --seq "$seq" --batch "$batch")
-  [ -n "$first" ] || first="${args[*]}"
-  timeout 60 "$PY" "${args[@]}" --rounds 3 2>&1 | tee "$out/overhead_d$d.txt"
+  [ "${#first[@]}" -gt 0 ] || first=("${args[@]}")
+  timeout 120 "$PY" "${args[@]}" --rounds 3 2>&1 | tee "$out/overhead_d$d.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
-# shellcheck disable=SC2086  # $first is the first size's argument list
-timeout 90 "$PY" $first --rounds 1 --profile plain,k16-cap 2>&1 | tee "$out/profile.txt"
+[ "${#first[@]}" -gt 0 ] || { echo "SIZES is empty: no size to measure"; exit 1; }
+timeout 120 "$PY" "${first[@]}" --rounds 1 --profile plain,k16-cap 2>&1 | tee "$out/profile.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status
