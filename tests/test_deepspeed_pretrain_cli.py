@@ -247,6 +247,8 @@ def test_deepspeed_pretrain_bad_deepspeed_section_or_data_is_one_line_error(tmp_
     (["--data.seq_len=32"], "data.seq_len 32 != model.max_sequence_length 64: set both to the same length"),
     (["--model.max_sequence_length=32"], "data.seq_len 64 != model.max_sequence_length 32"),
     (["--deepspeed.train_micro_batch_size_per_gpu=abc"], "deepspeed.train_micro_batch_size_per_gpu: expected an"),
+    (["--deepspeed.managed_gradient_accumulation=false"], "deepspeed.managed_gradient_accumulation: False is not "
+                                                           "supported by this script"),
     (["--tda.capture.proj_dimm=8"], "tda.capture.proj_dimm: unknown key; did you mean 'proj_dim'?"),
     (["--tda.selection.enabled=true", "--tda.selection.target=none.txt"], "tda.selection.target: no such file"),
 ])

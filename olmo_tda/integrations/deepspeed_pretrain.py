@@ -142,6 +142,12 @@ def _check_config(data: dict[str, Any]) -> dict[str, Any]:
         if key in ds_config and (not isinstance(ds_config[key], int) or isinstance(ds_config[key], bool)
                                  or ds_config[key] < 1):
             raise ConfigError(f"deepspeed.{key}: expected an integer >= 1, got {ds_config[key]!r}")
+    if ds_config.get("managed_gradient_accumulation", True) is not True:
+        # this script's loop is the managed one (engine.step() after every micro-batch, DeepSpeed keeping the
+        # boundary); unmanaged, each engine.step() is an optimizer update, and steps would count micro-batches
+        raise ConfigError(f"deepspeed.managed_gradient_accumulation: {ds_config['managed_gradient_accumulation']!r} is "
+                          "not supported by this script, whose loop leaves the accumulation boundary to DeepSpeed "
+                          "(engine.step() after every micro-batch): remove the key or set it to true")
     if "tda" in data and "tda" in ds_config:
         raise ConfigError("give the tda section once, at top level or inside 'deepspeed', not both")
     tda = TDAConfig.from_dict(data["tda"] if "tda" in data else ds_config.pop("tda", None))
