@@ -373,11 +373,12 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             if latest_step is not None:      # before the load, which cuts the store back to that step
                 _check_steps(int(cfg["steps"]), latest_step, ckpt)
             _, client_state = engine.load_checkpoint(str(ckpt))     # tda resumes its store from it too
-            # a run.json without the batch (written before it was recorded): DeepSpeed's own count, once loaded
+            # DeepSpeed's own count, once loaded: the one check for a run.json written before the batch was
+            # recorded; with one, it still catches a batch changed part-way through the run
             _check_same_batch(engine, ckpt, world, None)
             if tda.enabled and tda.selection.enabled:   # refused here, before this launch writes anything
-                per_step = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * world
-                check_selection_log(run_dir / "tda" / "selection", engine.global_steps * per_step // len(data),
+                check_selection_log(run_dir / "tda" / "selection",
+                                    engine.global_steps * engine.train_batch_size() // len(data),
                                     engine.global_steps, (client_state or {}).get(SELECTION_KEY))
         except (ConfigError, StoreError):
             session.close()                          # tda's own refusals name their remedy
