@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -295,13 +296,26 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("WANDB_MODE", "offline")
+    from .integrations import end_failed_rank, one_of_several_ranks
+
+    one_rank_of_several = args.command == "train" and one_of_several_ranks()
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as e:     # our errors name the problem; no traceback
-        if args.verbose:
+        if args.verbose and not one_rank_of_several:
             raise
+        if args.verbose:
+            traceback.print_exc()
         print(f"olmo-tda {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        status = 2
+    except (Exception, KeyboardInterrupt):
+        if not one_rank_of_several:
+            raise
+        traceback.print_exc()
+        status = 1
+    if one_rank_of_several:     # reported: go, before a teardown that can wait on the other failed ranks
+        end_failed_rank(status)
+    return status
 
 
 if __name__ == "__main__":

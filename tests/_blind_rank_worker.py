@@ -1,8 +1,26 @@
 """``olmo-tda train`` whose rank 1 cannot see the files rank 0 writes in the selection log folder (as
-on a save_folder local to each node), for the test that selection refuses such a folder."""
+on a save_folder local to each node), for the test that selection refuses such a folder.
+
+With ``TDA_TEST_TEARDOWN_BLOCKS=1`` tearing the process down blocks for good, as a teardown waiting on a
+peer that failed with it: ``destroy_process_group`` and the interpreter's finalization (an object whose
+``__del__`` sleeps): a failed rank must end without either."""
 
 import os
 import sys
+import time
+
+if os.environ.get("TDA_TEST_TEARDOWN_BLOCKS") == "1":
+    import torch.distributed as dist
+
+    def _blocks(*args, **kwargs):
+        time.sleep(3600)
+
+    class _BlocksWhenFinalized:
+        def __del__(self):
+            time.sleep(3600)
+
+    dist.destroy_process_group = _blocks
+    _finalized_at_exit = _BlocksWhenFinalized()
 
 from olmo_tda.training import selector
 

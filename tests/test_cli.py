@@ -225,6 +225,27 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("olmo-tda inspect: error:") and "nothing" in err
 
 
+def test_a_failed_train_rank_of_several_ends_its_process_and_nothing_else_does(tmp_path, capsys, monkeypatch):
+    """Under WORLD_SIZE > 1 a failed ``train`` reports its error and ends the process through
+    integrations.end_failed_rank (the 2-rank refusal test runs it for real); other commands, and a
+    train of one process, return their status as always."""
+    import olmo_tda.integrations as integrations
+
+    ended = []
+    monkeypatch.setattr(integrations, "end_failed_rank", ended.append)
+    for world, command, expect in (("2", "inspect", []), ("2", "train", [2]), ("1", "train", []), ("x", "train", [])):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        ended.clear()
+        args = [command, str(tmp_path / ("missing.yaml" if command == "train" else "nothing"))]
+        assert main(args) == 2 and ended == expect, (world, command)
+        assert "error:" in capsys.readouterr().err
+    code = ("import atexit; from olmo_tda.integrations import end_failed_rank; atexit.register(print, 'teardown'); "
+            "print('reported'); end_failed_rank(3)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}     # stdout to a pipe: buffered
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 3 and done.stdout == "reported\n", done    # flushed, no atexit teardown
+
+
 def test_docs_example_runs(capsys):
     runpy.run_path(str(ROOT / "docs" / "examples" / "plain_torch.py"), run_name="__main__")
     first = eval(capsys.readouterr().out.strip().splitlines()[-1])[0]   # noqa: S307 (our own print)

@@ -223,21 +223,35 @@ def test_two_ranks_train_on_one_rewritten_order(data_dir, strategy):
 def test_selection_refuses_a_log_folder_some_rank_cannot_see(data_dir):
     """2 ranks, rank 1 blind to what rank 0 writes in the round log folder (tests/_blind_rank_worker.py,
     as a save_folder on each node's own disk): both ranks refuse at start, naming rank 1 and the fix,
-    before any step (on resume such a run hung, or with DeepSpeed trained ranks on different orders)."""
+    before any step (on resume such a run hung, or with DeepSpeed trained ranks on different orders).
+
+    Each rank is its own process with no launcher agent to end it (as ranks on different nodes), and
+    tearing a process down blocks for good (a teardown waiting on the peer that failed with it: once
+    seen in CI, 300 s, one error printed, neither rank gone): each rank must still report and exit."""
+    import socket
     import subprocess
     import sys
 
     from conftest import outside_slurm_env
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "_blind_rank_worker.py"), "train", str(ROOT / "configs" / "demo_tiny.yaml"),
-           *_sel_args(data_dir, "sel_blind", 4)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
-    out = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert out.count("rank(s) [1] do not see the round log folder") == 2, out[-4000:]
-    assert "on a filesystem all nodes share" in out
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(ROOT / "tests" / "_blind_rank_worker.py"), "train",
+           str(ROOT / "configs" / "demo_tiny.yaml"), *_sel_args(data_dir, "sel_blind", 4)]
+    env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "TDA_TEST_TEARDOWN_BLOCKS": "1",
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    for r, (p, out) in enumerate(zip(ranks, outs)):
+        assert p.returncode == 2, f"rank {r}: {out[-4000:]}"
+        assert out.count("rank(s) [1] do not see the round log folder") == 1, f"rank {r}: {out[-4000:]}"
+        assert "on a filesystem all nodes share" in out
     assert not (data_dir / "sel_blind" / "tda" / "metrics.jsonl").exists() or \
         not (data_dir / "sel_blind" / "tda" / "metrics.jsonl").read_text().strip()
     assert not list((data_dir / "sel_blind" / "tda" / "selection").glob(".shared-check-*"))

@@ -9,13 +9,43 @@ Example (OLMo; the same as ``olmo-tda train configs/demo_tiny.yaml``)::
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-from typing import Any, Callable, Mapping
+import sys
+from typing import Any, Callable, Mapping, NoReturn
 
-__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "launch_attempt", "quiet_olmo_warnings",
-           "restart_of", "resume_state", "sum_and_max_over_ranks", "sum_over_ranks",
-           "torchrun_restart_warning"]
+__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "end_failed_rank", "launch_attempt",
+           "one_of_several_ranks", "quiet_olmo_warnings", "restart_of", "resume_state", "sum_and_max_over_ranks",
+           "sum_over_ranks", "torchrun_restart_warning"]
+
+
+def one_of_several_ranks() -> bool:
+    """True in a process a launcher (torchrun, srun, the deepspeed launcher) started as one rank of
+    several: ``WORLD_SIZE`` > 1."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def end_failed_rank(status: int) -> NoReturn:
+    """End this failed rank of a multi-rank run now, with ``status``: flush what it printed and logged,
+    then ``os._exit``, skipping the interpreter's teardown. Call it once the error is reported and what
+    must be closed is closed (OLMo's trainer closes the store's last window, the metrics file and W&B
+    on the way out of ``fit``).
+
+    The teardown is where a failed rank could hang: finalizing the process group that DDP still holds
+    closes connections to peers, and a peer that failed at the same moment is doing the same towards
+    this rank (a 2-rank refusal in CI sat there 300 s, one rank's error printed, neither rank gone, so
+    torchrun never learned of a failure). A rank that is gone lets the launcher end the others."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):   # a closed or broken pipe: nothing more to say on it
+            pass
+    logging.shutdown()
+    os._exit(status)
 
 
 def quiet_olmo_warnings() -> None:

@@ -220,7 +220,9 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
         import wandb
         if wandb.run is not None:
             wandb.finish(exit_code=0 if ok else 1)
-        release_distributed()
+        if ok or not (dist.is_initialized() and dist.get_world_size() > 1):
+            release_distributed()   # a failed rank of several leaves its group alone: destroying it waits on
+            # peers that may have failed with it or sit in a collective (see integrations.end_failed_rank)
 
 
 def _record_the_end(folder: Path, step: int) -> None:
