@@ -296,25 +296,27 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.ERROR if args.quiet else logging.WARNING,
                             format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("WANDB_MODE", "offline")
-    from .integrations import end_failed_rank, one_of_several_ranks
+    from . import integrations
 
-    one_rank_of_several = args.command == "train" and one_of_several_ranks()
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as e:     # our errors name the problem; no traceback
-        if args.verbose and not one_rank_of_several:
+        # a failed train still in a group of several ranks (train leaves it so): see end_failed_rank
+        several = args.command == "train" and integrations.one_of_several_ranks()
+        if args.verbose and not several:
             raise
         if args.verbose:
             traceback.print_exc()
         print(f"olmo-tda {args.command}: error: {e}", file=sys.stderr)
         status = 2
     except (Exception, KeyboardInterrupt):
-        if not one_rank_of_several:
+        several = args.command == "train" and integrations.one_of_several_ranks()
+        if not several:
             raise
         traceback.print_exc()
         status = 1
-    if one_rank_of_several:     # reported: go, before a teardown that can wait on the other failed ranks
-        end_failed_rank(status)
+    if several:         # reported: go, before a teardown that can wait on the other failed ranks
+        integrations.end_failed_rank(status)
     return status
 
 

@@ -226,19 +226,22 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_a_failed_train_rank_of_several_ends_its_process_and_nothing_else_does(tmp_path, capsys, monkeypatch):
-    """Under WORLD_SIZE > 1 a failed ``train`` reports its error and ends the process through
-    integrations.end_failed_rank (the 2-rank refusal test runs it for real); other commands, and a
-    train of one process, return their status as always."""
+    """A failed ``train`` still in a process group of several ranks reports its error and ends the
+    process through integrations.end_failed_rank (the 2-rank refusal test runs that for real); other
+    commands, and a train without such a group (WORLD_SIZE set or not), return their status as always."""
     import olmo_tda.integrations as integrations
 
+    real = integrations.one_of_several_ranks
     ended = []
     monkeypatch.setattr(integrations, "end_failed_rank", ended.append)
-    for world, command, expect in (("2", "inspect", []), ("2", "train", [2]), ("1", "train", []), ("x", "train", [])):
-        monkeypatch.setenv("WORLD_SIZE", world)
+    for several, command, expect in ((True, "inspect", []), (True, "train", [2]), (False, "train", [])):
+        monkeypatch.setattr(integrations, "one_of_several_ranks", lambda several=several: several)
         ended.clear()
         args = [command, str(tmp_path / ("missing.yaml" if command == "train" else "nothing"))]
-        assert main(args) == 2 and ended == expect, (world, command)
+        assert main(args) == 2 and ended == expect, (several, command)
         assert "error:" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not real()                   # the launcher's variable alone is no group: nothing waits on a peer
     code = ("import atexit; from olmo_tda.integrations import end_failed_rank; atexit.register(print, 'teardown'); "
             "print('reported'); end_failed_rank(3)")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}     # stdout to a pipe: buffered

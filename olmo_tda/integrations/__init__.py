@@ -21,19 +21,19 @@ __all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "end
 
 
 def one_of_several_ranks() -> bool:
-    """True in a process a launcher (torchrun, srun, the deepspeed launcher) started as one rank of
-    several: ``WORLD_SIZE`` > 1."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > 1
-    except ValueError:
+    """True in a process that holds a process group of several ranks."""
+    if "torch.distributed" not in sys.modules:     # never imported: no group (and no torch import for it)
         return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def end_failed_rank(status: int) -> NoReturn:
     """End this failed rank of a multi-rank run now, with ``status``: flush what it printed and logged,
     then ``os._exit``, skipping the interpreter's teardown. Call it once the error is reported and what
     must be closed is closed (OLMo's trainer closes the store's last window, the metrics file and W&B
-    on the way out of ``fit``).
+    as the ``with build_trainer(...)`` block of ``olmo_train.train`` exits).
 
     The teardown is where a failed rank could hang: finalizing the process group that DDP still holds
     closes connections to peers, and a peer that failed at the same moment is doing the same towards

@@ -579,11 +579,11 @@ class TDATrainer(Trainer):
     def close(self, exit_code: int = 0) -> None:
         import wandb
 
-        if wandb.run is not None:       # OLMo 0.6.0 calls finish(quiet=True), which wandb >= 0.19 rejects
-            wandb.finish(exit_code=exit_code)
-        try:
+        try:        # the store's last window is written whatever W&B does
             self._release_tda()
         finally:
+            if wandb.run is not None:   # OLMo 0.6.0 calls finish(quiet=True), which wandb >= 0.19 rejects
+                wandb.finish(exit_code=exit_code)
             super().close(exit_code)
 
 

@@ -178,7 +178,11 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
     save folder that already holds a run (its ``config.yaml``) otherwise needs ``save_overwrite``. A fresh
     start with ``save_overwrite`` removes the old run's checkpoints and TDA outputs first, so the new
     run's store, trajectory and latest checkpoint are never mixed with the old run's. The configs are
-    written once the checkpoint (if any) is restored: a refused resume leaves the folder as it was."""
+    written once the checkpoint (if any) is restored: a refused resume leaves the folder as it was.
+
+    A failure in a group of several ranks leaves the group as it is (destroying it can wait on a peer
+    that failed at the same moment): a caller of its own should end the process as ``olmo-tda train``
+    does, with :func:`olmo_tda.integrations.end_failed_rank` once the error is reported."""
     from olmo.config import CheckpointType
 
     if cfg.compile is not None:
