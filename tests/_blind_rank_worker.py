@@ -1,5 +1,6 @@
-"""``olmo-tda train`` whose rank 1 cannot see the files rank 0 writes in the selection log folder (as
-on a save_folder local to each node), for the test that selection refuses such a folder.
+"""``olmo-tda train`` (or, with ``deepspeed`` first, the DeepSpeed example script) whose rank 1 cannot
+see the files rank 0 writes in the selection log folder (as on a save_folder local to each node), for
+the test that selection refuses such a folder.
 
 With ``TDA_TEST_TEARDOWN_BLOCKS=1`` tearing the process down blocks for good, as a teardown waiting on a
 peer that failed with it: ``destroy_process_group`` and the interpreter's finalization (an object whose
@@ -49,6 +50,10 @@ class _BlindOs:
 
 selector.os = _BlindOs()
 
+if sys.argv[1] == "deepspeed":
+    from olmo_tda.integrations.deepspeed_pretrain import main as deepspeed_main
+
+    sys.exit(deepspeed_main(sys.argv[2:]))
 from olmo_tda.cli import main  # noqa: E402
 
 sys.exit(main(sys.argv[1:]))

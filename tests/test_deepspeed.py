@@ -485,6 +485,46 @@ def test_a_pipeline_engine_is_refused_not_silently_never_captured(tmp_path):
     assert not (tmp_path / "store").exists()
 
 
+SESSION_SCRIPT = """
+import os, sys, torch, deepspeed
+sys.path.insert(0, os.environ["TESTS"])
+deepspeed.init_distributed(dist_backend="gloo")
+import _deepspeed_worker as w
+from olmo_tda.integrations.deepspeed import attach, close_open_sessions
+case = w.parse_case("")
+torch.manual_seed(0)
+model = w.TokenMeanLM()
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  config=w.ds_config(case, os.environ["STORE"]))
+attach(engine)
+input_ids, labels = w.tokens()
+ids = w.ids_for(1, 0, 0, 1, 1)
+engine.backward(engine({"input_ids": input_ids[ids], "labels": labels[ids], "index": torch.from_numpy(ids)}))
+engine.step()                                           # one step: under flush_every (2), still in the window
+if os.environ["CLOSE"] == "1":
+    close_open_sessions()
+os._exit(0)                                             # as integrations.end_failed_rank ends a failed rank
+"""
+
+
+def test_close_open_sessions_writes_the_window_a_failed_rank_would_lose(tmp_path):
+    """A failed rank of several ends with ``os._exit``, which skips the atexit closer of a session an
+    error left open: close_open_sessions, called just before, writes its window (without it: 0 rows)."""
+    from olmo_tda.store import GradientStore
+
+    rows = {}
+    for close in ("0", "1"):
+        store = tmp_path / f"store{close}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1",
+               "MASTER_PORT": str(29000 + (os.getpid() + int(close)) % 500), "LOCAL_RANK": "0",
+               "STORE": str(store), "CLOSE": close, "TESTS": str(Path(__file__).parent)}
+        done = subprocess.run([sys.executable, "-c", SESSION_SCRIPT], capture_output=True, text=True, timeout=300,
+                              env=env)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        rows[close] = len(GradientStore.open(store).read_all(layers=[]).ids)
+    assert rows == {"0": 0, "1": worker.MICRO}, rows
+
+
 def test_estimate_basis_refusals_name_the_cause_and_tda_off_does_nothing(tmp_path):
     """estimate_basis on one process (only ``engine.module`` and the stage are read, so a plain module
     stands in for the engine): tda or its store off does nothing; a model whose loss does not depend

@@ -220,41 +220,76 @@ def test_two_ranks_train_on_one_rewritten_order(data_dir, strategy):
     assert len(block.ids) == 7 * GBS
 
 
-def test_selection_refuses_a_log_folder_some_rank_cannot_see(data_dir):
-    """2 ranks, rank 1 blind to what rank 0 writes in the round log folder (tests/_blind_rank_worker.py,
-    as a save_folder on each node's own disk): both ranks refuse at start, naming rank 1 and the fix,
-    before any step (on resume such a run hung, or with DeepSpeed trained ranks on different orders).
-
-    Each rank is its own process with no launcher agent to end it (as ranks on different nodes), and
-    tearing a process down blocks for good (a teardown waiting on the peer that failed with it: once
-    seen in CI, 300 s, one error printed, neither rank gone): each rank must still report and exit."""
-    import socket
+def _each_rank_alone(args: list[str], logs: list[Path], port: int) -> list[tuple[int, str]]:
+    """``tests/_blind_rank_worker.py ARGS`` as 2 ranks, each its own process with no launcher agent to
+    end it (as ranks on different nodes) and a teardown that blocks for good; (exit code, output) of each."""
     import subprocess
     import sys
 
     from conftest import outside_slurm_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, str(ROOT / "tests" / "_blind_rank_worker.py"), "train",
-           str(ROOT / "configs" / "demo_tiny.yaml"), *_sel_args(data_dir, "sel_blind", 4)]
     env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "TDA_TEST_TEARDOWN_BLOCKS": "1",
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    ranks = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    ranks = []
     try:
-        outs = [p.communicate(timeout=240)[0] for p in ranks]
+        for r, path in enumerate(logs):        # files: a full pipe cannot stall a rank
+            with open(path, "w") as f:
+                ranks.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "_blind_rank_worker.py"), *args],
+                                              cwd=logs[0].parent, stdout=f, stderr=subprocess.STDOUT,
+                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+        for p in ranks:
+            p.wait(timeout=240)
     finally:
         for p in ranks:
             p.kill()
-    for r, (p, out) in enumerate(zip(ranks, outs)):
-        assert p.returncode == 2, f"rank {r}: {out[-4000:]}"
+    return [(p.returncode, path.read_text()) for p, path in zip(ranks, logs)]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_selection_refuses_a_log_folder_some_rank_cannot_see(data_dir):
+    """2 ranks, rank 1 blind to what rank 0 writes in the round log folder (tests/_blind_rank_worker.py,
+    as a save_folder on each node's own disk): both ranks refuse at start, naming rank 1 and the fix,
+    before any step (on resume such a run hung, or with DeepSpeed trained ranks on different orders).
+
+    Each rank must also end by itself although tearing its process down would block for good, as a
+    teardown waiting on the peer that failed with it (once seen in CI: 300 s, one error printed,
+    neither rank gone)."""
+    args = ["train", str(ROOT / "configs" / "demo_tiny.yaml"), *_sel_args(data_dir, "sel_blind", 4)]
+    outs = _each_rank_alone(args, [data_dir / f"sel_blind_rank{r}.log" for r in range(2)], _free_port())
+    for r, (code, out) in enumerate(outs):
+        assert code == 2, f"rank {r}: {out[-4000:]}"
         assert out.count("rank(s) [1] do not see the round log folder") == 1, f"rank {r}: {out[-4000:]}"
         assert "on a filesystem all nodes share" in out
     assert not (data_dir / "sel_blind" / "tda" / "metrics.jsonl").exists() or \
         not (data_dir / "sel_blind" / "tda" / "metrics.jsonl").read_text().strip()
     assert not list((data_dir / "sel_blind" / "tda" / "selection").glob(".shared-check-*"))
+
+
+def test_deepspeed_script_refuses_a_log_folder_some_rank_cannot_see_and_each_rank_ends(tmp_path):
+    """The same under the DeepSpeed example script: each rank refuses, closes its store (which only the
+    exit would have done: the refusal comes after attach) and ends by itself although its teardown would block."""
+    passages = build_passages(16, 32, seed=11)
+    (tmp_path / "target.txt").write_text("\n".join(passages) + "\n")
+    run = tmp_path / "run"
+    args = ["deepspeed", str(ROOT / "configs" / "deepspeed_tiny.yaml"), f"--run_dir={run}", "--steps=2",
+            "--model.d_model=32", "--model.embedding_size=257", "--data.seq_len=32", "--model.max_sequence_length=32",
+            "--deepspeed.train_micro_batch_size_per_gpu=2", "--tda.capture.proj_dim=8",
+            "--tda.selection.enabled=true", "--tda.selection.every_n=2", "--tda.selection.window=24",
+            f"--tda.selection.target={tmp_path / 'target.txt'}", "--tda.selection.target_examples=6",
+            "--tda.selection.proj_dim=8"]
+    outs = _each_rank_alone(args, [tmp_path / f"rank{r}.log" for r in range(2)], _free_port())
+    for r, (code, out) in enumerate(outs):
+        assert code == 2, f"rank {r}: {out[-4000:]}"
+        assert out.count("rank(s) [1] do not see the round log folder") == 1, f"rank {r}: {out[-4000:]}"
+        assert f": rank {r} closed (" in out, f"rank {r}: {out[-4000:]}"    # its store, before os._exit
+    assert not list((run / "tda" / "selection").glob(".shared-check-*"))
 
 
 def test_selection_disabled_is_plain_training(data_dir):

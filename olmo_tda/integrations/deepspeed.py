@@ -59,9 +59,21 @@ from ..store import GradientRecord, GradientStore
 from ..store.record import cat_rows
 from . import check_rows_continue, cut_departed_ranks, decided_on_rank0, resume_state, sum_over_ranks
 
-__all__ = ["attach", "estimate_basis", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
+__all__ = ["attach", "close_open_sessions", "estimate_basis", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
 
 log = logging.getLogger(__name__)
+
+_OPEN_SESSIONS: "weakref.WeakSet[DeepSpeedTDA]" = weakref.WeakSet()
+
+
+def close_open_sessions() -> None:
+    """Close every session of this process still open, as the interpreter's exit would: for a failed
+    rank about to end with ``os._exit`` (:func:`olmo_tda.integrations.end_failed_rank`), which skips it."""
+    for session in list(_OPEN_SESSIONS):
+        try:
+            session.close()
+        except Exception:  # noqa: BLE001 - the failure being reported is the error that matters
+            log.exception("tda: closing the session of a failed rank failed")
 
 STATE_KEY = "olmo_tda"
 """Key of the TDA state in DeepSpeed checkpoints' ``client_state``."""
@@ -245,6 +257,7 @@ class DeepSpeedTDA:
             raise
         self._atexit = partial(_close_at_exit, weakref.WeakMethod(self.close))
         atexit.register(self._atexit)
+        _OPEN_SESSIONS.add(self)
 
     # -- per micro-batch ---------------------------------------------------------------------------
 
@@ -525,6 +538,7 @@ class DeepSpeedTDA:
             if getattr(self, "_atexit", None) is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None
+            _OPEN_SESSIONS.discard(self)
 
     def __enter__(self) -> "DeepSpeedTDA":
         return self

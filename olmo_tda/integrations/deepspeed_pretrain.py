@@ -42,7 +42,8 @@ from ..config import ConfigError, ProjectionType, TDAConfig, to_plain
 from ..store.errors import StoreError
 from ..store.format import write_json_atomic
 from ..training.selection import DataOrder
-from . import decided_on_rank0, launch_attempt, quiet_olmo_warnings, restart_of, torchrun_restart_warning
+from . import (decided_on_rank0, end_failed_rank, launch_attempt, one_of_several_ranks, quiet_olmo_warnings, restart_of,
+               torchrun_restart_warning)
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
 
@@ -701,10 +702,22 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(load_config(args.config, args.overrides + unknown))
     except (ConfigError, StoreError) as e:    # a store another config wrote, a corrupt or full one
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if os.environ.get("RANK", "0") == "0":
-        print(json.dumps(summary))
-    return 0
+        status = 2
+    except (Exception, KeyboardInterrupt):
+        if not one_of_several_ranks():
+            raise
+        traceback.print_exc()
+        status = 1
+    else:
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(summary))
+        return 0
+    if one_of_several_ranks():      # reported: go, before a teardown that can wait on the other failed ranks
+        from .deepspeed import close_open_sessions
+
+        close_open_sessions()       # what the exit would close (an error mid-run leaves its session open)
+        end_failed_rank(status)
+    return status
 
 
 if __name__ == "__main__":
