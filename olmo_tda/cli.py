@@ -300,21 +300,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (ValueError, OSError, RuntimeError) as e:     # our errors name the problem; no traceback
+    except (Exception, KeyboardInterrupt) as e:
         # a failed train still in a group of several ranks (train leaves it so): see end_failed_rank
         several = args.command == "train" and integrations.one_of_several_ranks()
-        if args.verbose and not several:
+        ours = isinstance(e, (ValueError, OSError, RuntimeError))    # our errors name the problem: no traceback
+        if not several and (args.verbose or not ours):
             raise
-        if args.verbose:
+        if args.verbose or not ours:
             traceback.print_exc()
-        print(f"olmo-tda {args.command}: error: {e}", file=sys.stderr)
-        status = 2
-    except (Exception, KeyboardInterrupt):
-        several = args.command == "train" and integrations.one_of_several_ranks()
-        if not several:
-            raise
-        traceback.print_exc()
-        status = 1
+        if ours:
+            print(f"olmo-tda {args.command}: error: {e}", file=sys.stderr)
+        status = 2 if ours else 1
     if several:         # reported: go, before a teardown that can wait on the other failed ranks
         integrations.end_failed_rank(status)
     return status

@@ -68,6 +68,15 @@ def linear_grad(exact: dict, name: str, with_bias: bool) -> torch.Tensor:
     return torch.cat([w, exact[f"{name}.bias"].unsqueeze(-1)], dim=-1)
 
 
+def free_port() -> int:
+    """A local TCP port free at the time of asking (for a process group's MASTER_PORT / rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def outside_slurm_env() -> dict:
     """This process's environment without Slurm's job variables: a test that itself runs inside a
     (requeued) Slurm job gives the runs it starts only the job it names."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from olmo_tda.capture import eigenbasis as eb
 from olmo_tda.capture.eigenbasis import (EigenBasis, EigenBasisError, allocate_budget, estimate_eigenbasis,
                                          split_budget)
 from olmo_tda.config import ConfigError, LayerOverride
-from conftest import rel_err, tiny_olmo, token_losses
+from conftest import free_port, rel_err, tiny_olmo, token_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
@@ -253,9 +252,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, skew: bool) -> None:
 def test_two_ranks_hold_rank0s_split(tmp_path, skew):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.spawn(_rank_main, args=(2, port, str(tmp_path), skew), nprocs=2, join=False)
     deadline = time.monotonic() + 240            # a collective that never matches would hang: fail instead
     while not ctx.join(timeout=5):

@@ -22,7 +22,7 @@ from olmo_tda.capture.eigenbasis import (EigenBasis, EigenBasisError, eigenbasis
 from olmo_tda.capture.projection import make_projector
 from olmo_tda.config import ConfigError, TDAConfig
 from _warm import run_module
-from conftest import rel_err, tiny_olmo, token_losses
+from conftest import free_port, rel_err, tiny_olmo, token_losses
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,13 +359,9 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_distributed_estimate_is_identical_on_every_rank(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_rank_main, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (tmp_path / "rank0.safetensors").read_bytes(), (tmp_path / "rank1.safetensors").read_bytes()
     assert r0 == r1

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import free_port
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
 SBATCH = LAUNCH / "slurm_olmo.sbatch"
@@ -322,14 +323,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # six processes import torch: about 25 s on 2 cores
 def test_slurm_command_forms_a_two_node_world_on_cpu(fake):
     """The exact srun/torchrun command, run on two fake nodes on this machine with 2 ranks each: the
@@ -343,7 +336,7 @@ def test_slurm_command_forms_a_two_node_world_on_cpu(fake):
     (pkg / "cli.py").write_text(FAKE_CLI)
     torchrun = Path(sysconfig.get_path("scripts")) / "torchrun"
     env = slurm_env(fake, SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="2", RDZV_HOST="127.0.0.1",
-                    RDZV_PORT=str(_free_port()), PYTHONPATH=str(fake.tmp),
+                    RDZV_PORT=str(free_port()), PYTHONPATH=str(fake.tmp),
                     TORCHRUN=str(torchrun) if torchrun.exists() else shutil.which("torchrun"))
     proc = run(SBATCH, ["--max_duration=3"], env, cwd=fake.tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -694,7 +687,7 @@ def test_slurm_deepspeed_command_forms_a_two_node_world_on_cpu(fake):
     (pkg / "deepspeed_pretrain.py").write_text(FAKE_DS_PRETRAIN)
     deepspeed = Path(sysconfig.get_path("scripts")) / "deepspeed"
     env = slurm_env(fake, SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="2", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(_free_port()), PYTHONPATH=str(fake.tmp),
+                    MASTER_PORT=str(free_port()), PYTHONPATH=str(fake.tmp),
                     DEEPSPEED=str(deepspeed) if deepspeed.exists() else shutil.which("deepspeed"))
     proc = run(DS_SBATCH, ["--steps=3"], env, cwd=fake.tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -773,7 +766,7 @@ def test_slurm_requeue_resumes_from_the_latest_checkpoint(fake, overwrite):
     _write_exe(fake.bin / "srun", FAKE_SRUN_ONE_NODE)
     torchrun = Path(sysconfig.get_path("scripts")) / "torchrun"
     env = slurm_env(fake, SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu-a17", GPUS_PER_NODE="2",
-                    SLURM_CPUS_PER_TASK="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(_free_port()),
+                    SLURM_CPUS_PER_TASK="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(free_port()),
                     CONFIG=str(root / "configs" / "demo_tiny.yaml"), WANDB_SILENT="true",
                     TORCHRUN=str(torchrun) if torchrun.exists() else shutil.which("torchrun"))
     overrides = [f"--data.paths=[{fake.tmp / 'data' / 'train.npy'}]", f"--save_folder={run_dir}",

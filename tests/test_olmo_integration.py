@@ -21,7 +21,7 @@ from olmo_tda.demo.corpus import build_passages
 from olmo_tda.demo.data import write_memmap
 from olmo_tda.store import GradientStore
 from _warm import run_module
-from conftest import outside_slurm_env, rel_err
+from conftest import free_port, outside_slurm_env, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GBS = 32, 8
@@ -386,11 +386,7 @@ def test_a_torchrun_restart_for_a_change_of_nodes_starts_the_run_over(data_dir):
     counts a failure. Rank 0's new worker is then a restart of its agent's run (a new worker at the
     same count) and starts the run over: each step's rows of OLMo's data order end in the store once."""
     run_dir, worker, env = _restart_setup(data_dir, "torchrun_nodes", RESTART_TEST_HANG="1")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
            f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=nodes", "--max_restarts=1", *worker]
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)

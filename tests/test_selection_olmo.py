@@ -15,6 +15,7 @@ import pytest
 from olmo_tda.demo.corpus import build_passages
 from olmo_tda.demo.data import write_memmap
 from olmo_tda.store import GradientStore
+from conftest import free_port
 from test_olmo_integration import GBS, ROOT, SEQ, _overrides, _run, _train
 
 N_EXAMPLES = 256
@@ -245,14 +246,6 @@ def _each_rank_alone(args: list[str], logs: list[Path], port: int) -> list[tuple
     return [(p.returncode, path.read_text()) for p, path in zip(ranks, logs)]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_selection_refuses_a_log_folder_some_rank_cannot_see(data_dir):
     """2 ranks, rank 1 blind to what rank 0 writes in the round log folder (tests/_blind_rank_worker.py,
     as a save_folder on each node's own disk): both ranks refuse at start, naming rank 1 and the fix,
@@ -262,7 +255,7 @@ def test_selection_refuses_a_log_folder_some_rank_cannot_see(data_dir):
     teardown waiting on the peer that failed with it (once seen in CI: 300 s, one error printed,
     neither rank gone)."""
     args = ["train", str(ROOT / "configs" / "demo_tiny.yaml"), *_sel_args(data_dir, "sel_blind", 4)]
-    outs = _each_rank_alone(args, [data_dir / f"sel_blind_rank{r}.log" for r in range(2)], _free_port())
+    outs = _each_rank_alone(args, [data_dir / f"sel_blind_rank{r}.log" for r in range(2)], free_port())
     for r, (code, out) in enumerate(outs):
         assert code == 2, f"rank {r}: {out[-4000:]}"
         assert out.count("rank(s) [1] do not see the round log folder") == 1, f"rank {r}: {out[-4000:]}"
@@ -284,7 +277,7 @@ def test_deepspeed_script_refuses_a_log_folder_some_rank_cannot_see_and_each_ran
             "--tda.selection.enabled=true", "--tda.selection.every_n=2", "--tda.selection.window=24",
             f"--tda.selection.target={tmp_path / 'target.txt'}", "--tda.selection.target_examples=6",
             "--tda.selection.proj_dim=8"]
-    outs = _each_rank_alone(args, [tmp_path / f"rank{r}.log" for r in range(2)], _free_port())
+    outs = _each_rank_alone(args, [tmp_path / f"rank{r}.log" for r in range(2)], free_port())
     for r, (code, out) in enumerate(outs):
         assert code == 2, f"rank {r}: {out[-4000:]}"
         assert out.count("rank(s) [1] do not see the round log folder") == 1, f"rank {r}: {out[-4000:]}"
