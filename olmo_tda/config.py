@@ -386,6 +386,10 @@ class SelectionPolicy(str, enum.Enum):
     """The norm of the example's (projected) gradient."""
     RANDOM = "random"
     """A seeded random order of the window (the control arm)."""
+    SOURCES = "sources"
+    """Per-source weights learned from the rows the training step captured (no backward pass over
+    the data): the next ``every_n`` steps' examples are drawn from the sources by those weights
+    (:mod:`olmo_tda.training.mixture`). Needs the store on (its rows) and a target."""
 
 
 class SelectionMode(str, enum.Enum):
@@ -415,7 +419,7 @@ class SelectionConfig:
     """Upcoming examples (global, over all ranks) rescored per round; positions already consumed
     are never touched."""
     policy: SelectionPolicy = SelectionPolicy.GREATS
-    """greats | alignment | loss | gradnorm | random."""
+    """greats | alignment | loss | gradnorm | random | sources."""
     mode: SelectionMode = SelectionMode.REORDER
     """reorder | filter."""
     keep_fraction: float = 0.5
@@ -464,6 +468,19 @@ class SelectionConfig:
     """Examples per forward/backward of a round (0 = the run's device micro-batch)."""
     seed: int = 0
     """Seeds the projectors and the random policy (varied per round)."""
+    target_every: int = 5
+    """``sources``: rounds between refreshes of the target gradient (its backward passes over
+    ``target_examples`` are the policy's only ones); 1 = every round."""
+    source_temperature: float = 0.5
+    """``sources``: weights are ``share·exp(z / source_temperature)``, ``z`` each source's cosine with
+    the target (in [-1, 1]) accumulated over rounds with ``source_memory``: lower is greedier."""
+    source_memory: float = 0.9
+    """``sources``: per round, the weight the evidence of earlier rounds keeps (0 = this round only)."""
+    source_floor: float = 0.1
+    """``sources``: the fraction of each round's examples drawn in the data's natural proportions,
+    so every source keeps being trained on and measured."""
+    source_decay: float = 0.5
+    """``sources``: per round, the weight the captured rows seen so far keep against the new ones."""
 
     def validate(self, path: str = "selection") -> None:
         _check_types(self, path)
@@ -480,7 +497,14 @@ class SelectionConfig:
                f"must be finite and > 0, got {self.precondition_damping}")
         _check(self.micro_batch >= 0, f"{path}.micro_batch", f"must be >= 0, got {self.micro_batch}")
         _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
-        if self.enabled and self.policy in (SelectionPolicy.GREATS, SelectionPolicy.ALIGNMENT):
+        _check(self.target_every >= 1, f"{path}.target_every", f"must be >= 1, got {self.target_every}")
+        _check(0 < self.source_temperature < math.inf, f"{path}.source_temperature",
+               f"must be finite and > 0, got {self.source_temperature}")
+        _check(0.0 <= self.source_floor <= 1.0, f"{path}.source_floor", f"must be in [0, 1], got {self.source_floor}")
+        _check(0.0 <= self.source_memory < 1.0, f"{path}.source_memory", f"must be in [0, 1), got {self.source_memory}")
+        _check(0.0 <= self.source_decay <= 1.0, f"{path}.source_decay", f"must be in [0, 1], got {self.source_decay}")
+        if self.enabled and self.policy in (SelectionPolicy.GREATS, SelectionPolicy.ALIGNMENT,
+                                            SelectionPolicy.SOURCES):
             _check(bool(self.target), f"{path}.target",
                    f"policy {self.policy.value!r} scores against target data: set selection.target to a text, "
                    "JSONL or token file")

@@ -595,8 +595,13 @@ class DeepSpeedSelection:
     def __init__(self, engine: Any, config: Any, *, order: Any, fetch: Callable, forward: Callable, seq_len: int,
                  log_folder: str | Path, target_tokens: torch.Tensor | None = None, pause: tuple = (),
                  sources: Callable[[np.ndarray], list[str]] | None = None):
+        from ..config import ConfigError, SelectionPolicy
         from ..training.selector import OnlineSelector
 
+        if getattr(config, "policy", None) is SelectionPolicy.SOURCES:
+            raise ConfigError("tda.selection.policy sources runs in OLMo runs (olmo-tda train) only: the DeepSpeed "
+                              "callback does not hand it the step's captured rows. Use greats, alignment, loss, "
+                              "gradnorm or random here")
         self.engine = engine
         self.order = order
         self.fetch = fetch

@@ -58,7 +58,7 @@ import yaml
 
 from ..capture import GradientCapture
 from ..capture.eigenbasis import estimate_eigenbasis
-from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
+from ..config import CaptureConfig, ConfigError, ProjectionType, SelectionPolicy, TDAConfig
 from ..store import GradientStore
 from . import check_rows_continue, cut_departed_ranks, resume_state, sum_and_max_over_ranks
 
@@ -279,11 +279,20 @@ class TDATrainer(Trainer):
                                  num=sel.target_examples, eos_token_id=self.cfg.model.eos_token_id,
                                  memmap_dtype=np.dtype(getattr(data, "effective_memmap_dtype", np.uint16)),
                                  vocab_size=self.cfg.model.embedding_size or self.cfg.model.vocab_size)
+        names, shares = self._source_table()
+        if sel.policy is SelectionPolicy.SOURCES:
+            if self.capture is None:
+                raise ConfigError("tda.selection.policy sources learns from the rows the training step captures: it "
+                                  "needs tda.store.enabled: true")
+            if names is None:
+                raise ConfigError("tda.selection.policy sources needs the data's sources: data.paths (or "
+                                  "data.datasets) with OLMo's memmap dataset")
         ddp = hasattr(self.dist_model, "module") and not isinstance(self.dist_model, _fsdp_class())
         self.selector = OnlineSelector(
             sel, self.dist_model.module if ddp else self.dist_model, forward=self._logits, log_folder=folder,
             target_tokens=target, micro_batch=self.cfg.device_train_microbatch_size, device=self.device,
-            pause=(self.capture,) if self.capture is not None else ())
+            pause=(self.capture,) if self.capture is not None else (), capture=self.capture,
+            sources=names, source_shares=shares)
         self.train_loader = RestartableLoader(self.train_loader)
 
     def _encode(self, text: str) -> list[int]:
@@ -304,14 +313,26 @@ class TDATrainer(Trainer):
     def _example_tokens(self, ids: np.ndarray) -> torch.Tensor:
         return torch.stack([torch.as_tensor(self.dataset.dataset[int(i)]["input_ids"]).long() for i in ids])
 
-    def _sources(self, ids: np.ndarray) -> list[str] | None:
+    def _source_table(self) -> tuple[list[str] | None, list[float] | None]:
+        """The data's sources (a ``data.datasets`` label, else the memmap file's stem; one per path, in
+        order) and their instance counts, or ``(None, None)`` when the dataset does not say."""
         inner = self.dataset.dataset
         offsets, metadata = getattr(inner, "offsets", None), getattr(inner, "_metadata", None)
         if not offsets or not metadata or len(metadata) != len(offsets):
+            return None, None
+        return ([m.get("label") or Path(str(m.get("path", "?"))).stem for m in metadata],
+                [float(hi - lo) for lo, hi in offsets])
+
+    def _source_index(self, ids: np.ndarray) -> np.ndarray:
+        """``[n]`` each instance id's path index into :meth:`_source_table` (vectorized)."""
+        starts = np.array([lo for lo, _ in self.dataset.dataset.offsets])
+        return np.searchsorted(starts, np.asarray(ids, dtype=np.int64), side="right") - 1
+
+    def _sources(self, ids: np.ndarray) -> list[str] | None:
+        names, _ = self._source_table()
+        if names is None:
             return None
-        starts = np.array([lo for lo, _ in offsets])
-        names = [m.get("label") or Path(str(m.get("path", "?"))).stem for m in metadata]
-        return [names[int(np.searchsorted(starts, i, side="right")) - 1] for i in ids]
+        return [names[i] for i in self._source_index(ids)]
 
     def _selection_round(self, metrics: dict[str, float]) -> None:
         start = int(self.global_train_examples_seen_this_epoch)
@@ -320,7 +341,7 @@ class TDATrainer(Trainer):
             step=self.global_step, epoch=int(self.epoch or 0), order=order, start=start, fetch=self._example_tokens,
             lr=float(self.optim.param_groups[0]["lr"]), batch_size=self.cfg.global_train_batch_size,
             tokens_per_batch=self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length,
-            sources=self._sources)
+            sources=self._sources, source_index=self._source_index)
         if new_order is None:
             return
         self._write_order(new_order)
@@ -329,13 +350,17 @@ class TDATrainer(Trainer):
         logged = {f"tda/selection_{key}": float(stats[key])
                   for key in ("seconds", "examples_rescored", "examples_measured", "score_mean", "promoted_mean_score",
                               "demoted_mean_score", "rank_corr_prev", "mean_loss_window") if stats.get(key) is not None}
-        for name, frac in (stats.get("source_frac_front") or {}).items():
-            logged[f"tda/selection_front_frac/{name}"] = frac
+        for key in ("front_frac", "weight", "score"):     # per source: the front's mix, the weights and scores
+            for name, value in (stats.get(f"source_{key}" if key != "front_frac" else "source_frac_front")
+                                or {}).items():
+                logged[f"tda/selection_{key}/{name}"] = value
+        if "target_refreshed" in stats:
+            logged["tda/selection_target_refreshed"] = float(stats["target_refreshed"])
         metrics.update(logged)      # tda/metrics.jsonl and OLMo's own logging of this step
         import wandb
 
         if wandb.run is not None:   # and W&B at the round's step itself: OLMo logs only every log_interval
-            hist = stats["score_hist"]
+            hist = stats.get("score_hist") or {"counts": []}
             if hist["counts"]:
                 logged["tda/selection_scores"] = wandb.Histogram(np_histogram=(hist["counts"], hist["edges"]))
             wandb.log(logged, step=self.global_step)
@@ -421,6 +446,8 @@ class TDATrainer(Trainer):
                 record.loss_scale = record.loss_scale * _world_size()
                 self.store.append(record)
                 rows = len(self._record.ids)
+                if self.selector is not None:       # the sources policy learns from these very rows
+                    self.selector.observe(self._record.ids, self._record.dense())
                 self._record = None
                 append_ms = 1e3 * (time.perf_counter() - t1)
             # the slowest rank's (below): a rank whose writer falls behind (a slow disk: its queue full)
@@ -506,6 +533,9 @@ class TDATrainer(Trainer):
         if self.selector is not None:       # what a resume's log must hold to replay this step's order
             state["tda_selection"] = {"log": str(self.selector.log.folder.resolve()),
                                       "rounds": len(self._rounds_up_to(int(self.epoch or 0), self.global_step))}
+            if self.selector.mixer is not None:     # the sources policy's running sums and target
+                self.selector.sync(self._source_index)       # collective: every rank saves alike
+                state["tda_selection"]["mixer"] = self.selector.mixer.state_dict()
         elif self._carried_selection:       # switched off: switching it back on is still checked against them
             state["tda_selection"] = dict(self._carried_selection)
         return _weights_only_safe(state)
@@ -533,6 +563,15 @@ class TDATrainer(Trainer):
         new_timeline = not self.cfg.restore_dataloader
         if self.selector is not None and not new_timeline:
             self._check_selection_log(state_dict.get("tda_selection"))
+            mixer_state = (state_dict.get("tda_selection") or {}).get("mixer")
+            if self.selector.mixer is not None and mixer_state is not None:
+                try:
+                    self.selector.mixer.load_state_dict(mixer_state)
+                except ValueError as e:
+                    raise ConfigError(f"tda.selection: {e}") from None
+            elif self.selector.mixer is not None and (state_dict.get("tda_selection") or {}).get("rounds"):
+                log.warning("tda: the checkpoint holds no source weights (another policy's run): the sources "
+                            "policy starts learning them afresh at step %d", self.global_step)
         elif not new_timeline and (state_dict.get("tda_selection") or {}).get("rounds"):
             self._carried_selection = dict(state_dict["tda_selection"])
             log.warning("tda: the checkpoint's run had applied %d selection rounds by step %d, and tda.selection is "

@@ -279,15 +279,21 @@ class SelectionLog:
         os.replace(tmp, path)
 
     def append(self, *, epoch: int, step: int, start: int, keep: int, window_ids: np.ndarray, stats: dict,
-               scores: np.ndarray | None = None) -> None:
+               scores: np.ndarray | None = None, rule: str = "window") -> None:
         """Log one round: ``window_ids`` the window's new order; ``scores`` (optional, aligned with
-        ``window_ids``) what the round scored them, read back by :meth:`previous_scores` after a resume."""
+        ``window_ids``) what the round scored them, read back by :meth:`previous_scores` after a resume.
+        ``rule``: ``"window"`` (:func:`rewrite_order` with ``keep``) or ``"pull"`` (``window_ids`` pulled
+        forward to ``start`` from anywhere later in the epoch: :func:`~olmo_tda.training.mixture.pull_forward`)."""
+        if rule not in ("window", "pull"):
+            raise ValueError(f"unknown round rule {rule!r}")
         if not self.writer:
             return
         path = self._order_file(epoch, step)
         self._save_npy(path, np.asarray(window_ids, dtype=np.int64))
         record = {"epoch": epoch, "step": step, "start": int(start), "keep": int(keep),
                   "window": int(len(window_ids)), "file": path.name}
+        if rule != "window":
+            record["rule"] = rule
         if scores is not None:
             if len(scores) != len(window_ids):
                 raise ValueError(f"{len(scores)} scores for a window of {len(window_ids)}")
@@ -333,7 +339,12 @@ class SelectionLog:
             except (OSError, ValueError) as e:
                 raise SelectionError(f"selection round file {path} cannot be read ({e}): the run's data "
                                      "order cannot be reproduced") from None
-            order = rewrite_order(order, r["start"], window_ids, r["keep"])
+            if r.get("rule", "window") == "pull":
+                from .mixture import pull_forward
+
+                order = pull_forward(order, r["start"], window_ids)
+            else:
+                order = rewrite_order(order, r["start"], window_ids, r["keep"])
             applied += 1
         return order, applied
 

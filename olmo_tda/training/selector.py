@@ -46,7 +46,8 @@ from torch import nn
 
 from ..capture import GradientCapture
 from ..capture.hooks import reduce_moments
-from ..config import CaptureConfig, ConfigError, ProjectionType, SelectionConfig, SelectionMode
+from ..config import CaptureConfig, ConfigError, ProjectionType, SelectionConfig, SelectionMode, SelectionPolicy
+from .mixture import SourceMixer, pull_forward
 from .selection import POLICIES, SelectionError, SelectionLog, order_window, rewrite_order, round_stats
 
 __all__ = ["OnlineSelector", "untouched_training_state", "load_target"]
@@ -243,7 +244,9 @@ class OnlineSelector:
 
     def __init__(self, config: SelectionConfig, model: nn.Module, *, forward: Forward, log_folder,
                  target_tokens: torch.Tensor | None = None, micro_batch: int = 8,
-                 device: torch.device | str = "cpu", pause: tuple[GradientCapture, ...] = ()):
+                 device: torch.device | str = "cpu", pause: tuple[GradientCapture, ...] = (),
+                 capture: GradientCapture | None = None, sources: list[str] | None = None,
+                 source_shares: list[float] | None = None):
         config.validate()
         self.config = config
         self.model = model
@@ -255,11 +258,28 @@ class OnlineSelector:
         if self.world > 1:
             _check_shared(self.log.folder, self.rank, self.world)
         self._pause = pause
-        self._needs = POLICIES[config.policy.value][1]
+        self.mixer: SourceMixer | None = None
+        self._fold_seconds = 0.0
+        self._pending: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
+        self._source_index: Callable[[np.ndarray], np.ndarray] | None = None
+        self.capture = None
+        self._owns_capture = True
+        if config.policy is SelectionPolicy.SOURCES:
+            if capture is None or target_tokens is None or not sources:
+                raise ValueError("selection policy 'sources' needs the run's capture (its rows), target tokens "
+                                 "and the data's source names")
+            self.capture, self._owns_capture = capture, False
+            self.mixer = SourceMixer(sources, shares=source_shares if source_shares is not None else [1.0] * len(sources),
+                                     temperature=config.source_temperature, memory=config.source_memory,
+                                     floor=config.source_floor,
+                                     decay=config.source_decay, precondition=config.precondition,
+                                     damping=config.precondition_damping)
+            self._needs = frozenset({"target"})
+        else:
+            self._needs = POLICIES[config.policy.value][1]
         if "target" in self._needs and target_tokens is None:
             raise ValueError(f"selection policy {config.policy.value!r} needs target tokens")
         self.target_tokens = target_tokens
-        self.capture = None
         if "grads" in self._needs:
             cap = CaptureConfig(proj_dim=config.proj_dim, proj_type=ProjectionType.ORTHOGONAL, seed=config.seed,
                                 exclude=list(config.exclude_modules), embeddings=config.embeddings)
@@ -272,8 +292,93 @@ class OnlineSelector:
         return cfg.enabled and step > 0 and step >= cfg.start_step and step % cfg.every_n == 0
 
     def close(self) -> None:
-        if self.capture is not None:
+        if self.capture is not None and self._owns_capture:
             self.capture.remove()
+
+    # -- the sources policy: rows the training step captured ----------------------------------------
+
+    def observe(self, ids: np.ndarray, grads: dict[str, torch.Tensor]) -> None:
+        """Keep one step's captured rows on this rank (``grads``: the record's
+        :meth:`~olmo_tda.capture.hooks.Recording.dense`, ``{layer: [B, Ko, Ki]}``) for the ``sources``
+        policy; they are folded into its sums at the next round or checkpoint (:meth:`sync`), in one
+        batch: the step itself only keeps a reference. A no-op for other policies."""
+        if self.mixer is not None and len(ids):
+            self._pending.append((np.asarray(ids, dtype=np.int64), grads))
+
+    def sync(self, source_index: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """Fold the kept rows into the mixer, summed over ranks. Collective: every rank calls it at
+        the same points (each round, and before its state goes into a checkpoint)."""
+        if self.mixer is None:
+            return
+        t0 = time.perf_counter()
+        source_index = source_index or self._source_index
+        if self._pending:
+            if source_index is None:
+                raise SelectionError("selection policy 'sources' needs each example's data source")
+            names = list(self._pending[0][1])
+            rows = torch.cat([torch.cat([g[n].reshape(len(i), -1) for i, g in self._pending]) for n in names], dim=1)
+            self.mixer.observe(source_index(np.concatenate([i for i, _ in self._pending])), rows)
+            self._pending = []
+        reduce = None
+        if self.world > 1:
+            def reduce(flat: torch.Tensor) -> torch.Tensor:
+                buf = flat.to(self.device)
+                dist.all_reduce(buf)
+                return buf.cpu()
+        width = sum(k_out * k_in for k_out, k_in in self.capture.layer_shapes.values())
+        self.mixer.sync(reduce, width=width)
+        self._fold_seconds += time.perf_counter() - t0
+
+    def _run_sources(self, *, step: int, epoch: int, order: np.ndarray, start: int, batch_size: int,
+                     source_index: Callable[[np.ndarray], np.ndarray] | None) -> tuple[np.ndarray | None, dict]:
+        """A ``sources`` round: the next ``every_n`` steps' examples drawn by the learned source weights
+        (see :mod:`olmo_tda.training.mixture`)."""
+        t0 = time.perf_counter()
+        cfg, mixer = self.config, self.mixer
+        if source_index is None:
+            raise SelectionError("selection policy 'sources' needs each example's data source")
+        if start >= len(order):
+            return None, {}
+        self._source_index = source_index
+        self.sync(source_index)
+        refreshed = mixer.needs_target(cfg.target_every)
+        measured = 0
+        if refreshed:
+            with untouched_training_state(self.model):
+                target = self._target_gradient()
+            if not bool(torch.isfinite(target).all()):       # all-reduced: every rank raises
+                raise SelectionError(f"selection round after step {step}: the target gradient is not finite (the "
+                                     f"model diverged, or a target example has no finite loss): {cfg.target}")
+            mixer.set_target(target)
+            measured = min(cfg.target_examples, len(self.target_tokens))
+        round_seed = int(np.random.SeedSequence([cfg.seed, epoch, step]).generate_state(1)[0])
+        decided: list = [None]
+        if self.rank == 0:          # rank 0 decides; every rank applies the same draw
+            scores = mixer.scores()
+            weights = mixer.weights(mixer.accumulate(scores))
+            ids, counts = mixer.pick(order, start, source_index, cfg.every_n * batch_size, weights, round_seed)
+            decided[0] = (ids, counts, scores, weights)
+        if self.world > 1:
+            dist.broadcast_object_list(decided, src=0)
+        ids, counts, scores, weights = decided[0]
+        if self.rank != 0:      # rank 0's evidence, so that every rank's checkpointable state is the same
+            mixer.evidence = mixer.memory * mixer.evidence + scores
+        rows_seen = mixer.counts.numpy().copy()
+        mixer.end_round()
+        new_order = pull_forward(order, start, ids)
+        names = mixer.names
+        stats = {"examples_rescored": int(len(ids)), "examples_measured": int(measured), "policy": cfg.policy.value,
+                 "mode": "pull", "target_refreshed": bool(refreshed), "preconditioned": bool(mixer.precondition),
+                 "score_mean": float(np.mean(scores)), "score_hist": {"counts": [], "edges": []},
+                 "source_weight": {n: float(w) for n, w in zip(names, weights)},
+                 "source_score": {n: float(c) for n, c in zip(names, scores)},
+                 "source_rows": {n: float(r) for n, r in zip(names, rows_seen)},
+                 "source_frac_front": {n: float(c) / max(len(ids), 1) for n, c in zip(names, counts)},
+                 # every selection second since the last round: this round's, and folding each step's rows
+                 "seconds": time.perf_counter() - t0 + self._fold_seconds}
+        self._fold_seconds = 0.0
+        self.log.append(epoch=epoch, step=step, start=start, keep=len(ids), window_ids=ids, stats=stats, rule="pull")
+        return new_order, stats
 
     # -- measuring ---------------------------------------------------------------------------------
 
@@ -362,10 +467,15 @@ class OnlineSelector:
 
     def run(self, *, step: int, epoch: int, order: np.ndarray, start: int,
             fetch: Callable[[np.ndarray], torch.Tensor], lr: float, tokens_per_batch: int, batch_size: int,
-            sources: Callable[[np.ndarray], list[str]] | None = None) -> tuple[np.ndarray | None, dict]:
+            sources: Callable[[np.ndarray], list[str]] | None = None,
+            source_index: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[np.ndarray | None, dict]:
         """One round after optimizer step ``step``: ``(the epoch's new order, stats)``; the order is
         None when no upcoming position is left. ``order``: the epoch's global order (ids);
-        ``start``: the first position not yet consumed; ``fetch(ids) -> [n, T]`` token ids."""
+        ``start``: the first position not yet consumed; ``fetch(ids) -> [n, T]`` token ids;
+        ``source_index(ids) -> [n]`` indices into the ``sources`` names (the ``sources`` policy)."""
+        if self.mixer is not None:
+            return self._run_sources(step=step, epoch=epoch, order=order, start=start, batch_size=batch_size,
+                                     source_index=source_index)
         t0 = time.perf_counter()
         cfg = self.config
         ids = np.asarray(order[start:start + cfg.window], dtype=np.int64)
