@@ -425,7 +425,8 @@ class SelectionConfig:
     keep_fraction: float = 0.5
     """``filter``: the fraction of the window that stays in place."""
     target: str | None = None
-    """The target data: a text file (one example per line), a JSONL file with a ``text`` field, or
+    """The target data: a text file (documents separated by blank lines, newlines inside a document
+    kept), a JSONL file with a ``text`` field per line, or
     a token file (``.npy`` array [n, seq_len] of ids, or OLMo's raw memmap of ``memmap_dtype`` ids
     chunked to the model's sequence length). Needed by greats and alignment."""
     target_examples: int = 64

@@ -572,8 +572,13 @@ def test_selection_target_is_read_by_its_suffix_and_checked(tmp_path):
     want = list(b"the quick brown fox") + [0] + list(b"jumps over the lazy dog") + [0] + list(b"and runs away") + [0]
     want = torch.tensor(want[:len(want) // 8 * 8]).reshape(-1, 8)
     for name in ("t.txt", "t.TXT", "t.text", "t.md"):
-        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        (tmp_path / name).write_text("\n\n".join(lines) + "\n")
         assert torch.equal(load_target(tmp_path / name, 8, encode, num=100, eos_token_id=0, vocab_size=257), want)
+    # a document's own newlines stay newlines (code, poems): only a blank line ends a document
+    (tmp_path / "code.txt").write_text("def f():\n    return 1\n\n\n  \nx = f()\n")
+    doc = list(b"def f():\n    return 1") + [0] + list(b"x = f()") + [0]
+    got = load_target(tmp_path / "code.txt", 4, encode, num=100, eos_token_id=0)
+    assert got.flatten().tolist() == doc[:len(doc) // 4 * 4]
     (tmp_path / "t.JSONL").write_text("".join(json.dumps({"text": x}) + "\n" for x in lines))
     assert torch.equal(load_target(tmp_path / "t.JSONL", 8, encode, num=100, eos_token_id=0), want)
     np.asarray(want.flatten(), dtype=np.uint16).tofile(tmp_path / "t.bin")      # OLMo's raw memmap

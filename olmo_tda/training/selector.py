@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -71,7 +72,7 @@ def target_kind(path: str | Path) -> str:
         if suffix in suffixes:
             return kind
     raise ValueError(f"selection target {path}: unknown file type {suffix or '(no suffix)'!r}; use "
-                     f"{'/'.join(TEXT_SUFFIXES)} (one text per line), {'/'.join(JSONL_SUFFIXES)} (a JSON object "
+                     f"{'/'.join(TEXT_SUFFIXES)} (documents separated by blank lines), {'/'.join(JSONL_SUFFIXES)} (a JSON object "
                      f"with a 'text' field per line) or {'/'.join(TOKEN_SUFFIXES)} (token ids)")
 
 
@@ -80,9 +81,10 @@ def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int
                 ) -> torch.Tensor:
     """``[n <= num, seq_len]`` int64 target rows from ``path``, by its suffix (:func:`target_kind`):
 
-    - text (``.txt``, ``.text``, ``.md``): one example per line; JSONL (``.jsonl``, ``.json``): a
-      ``text`` field per line. Texts are tokenized, joined with EOS and cut into ``seq_len`` rows
-      (the pretraining layout);
+    - text (``.txt``, ``.text``, ``.md``): documents separated by blank lines, each kept whole with
+      its own newlines (code, poems, tables stay what the model trains on); JSONL (``.jsonl``,
+      ``.json``): a ``text`` field per line. Documents are tokenized, joined with EOS and cut into
+      ``seq_len`` rows (the pretraining layout);
     - token ids (``.npy``, ``.bin``, ``.dat``, ``.memmap``): a ``.npy`` with a header holds a 2-D array
       of ids, rows cut to ``seq_len``; without one, OLMo's raw memmap of ``memmap_dtype`` ids, cut
       into ``seq_len`` rows. With ``vocab_size``, an id outside ``[0, vocab_size)`` is refused.
@@ -94,9 +96,13 @@ def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int
     if kind != "tokens":
         stream: list[int] = []
         try:
-            lines = path.read_text(encoding="utf-8").splitlines()
+            text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"selection target {path}: not UTF-8 text ({e})") from None
+        if kind == "text":      # documents are blank-line separated blocks, their own newlines kept
+            lines = [block.strip("\n") for block in re.split(r"\n[ \t]*\n", text)]
+        else:
+            lines = text.splitlines()
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
