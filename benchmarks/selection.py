@@ -461,7 +461,7 @@ def main(argv=None) -> dict:
     p.add_argument("--keep-fraction", type=float, default=0.5, help="filter mode")
     p.add_argument("--target-examples", type=int, default=16)
     p.add_argument("--target-every", type=int, default=10, help="sources: rounds between target-gradient refreshes")
-    p.add_argument("--temperature", type=float, default=0.25, help="sources: selection.source_temperature")
+    p.add_argument("--temperature", type=float, default=0.1, help="sources: selection.source_temperature")
     p.add_argument("--memory", type=float, default=0.9, help="sources: selection.source_memory")
     p.add_argument("--floor", type=float, default=0.1, help="sources: selection.source_floor")
     p.add_argument("--decay", type=float, default=0.5, help="sources: selection.source_decay")

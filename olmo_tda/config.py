@@ -472,7 +472,7 @@ class SelectionConfig:
     target_every: int = 5
     """``sources``: rounds between refreshes of the target gradient (its backward passes over
     ``target_examples`` are the policy's only ones); 1 = every round."""
-    source_temperature: float = 0.5
+    source_temperature: float = 0.1
     """``sources``: weights are ``share·exp(z / source_temperature)``, ``z`` each source's cosine with
     the target (in [-1, 1]) accumulated over rounds with ``source_memory``: lower is greedier."""
     source_memory: float = 0.9

@@ -257,18 +257,40 @@ def test_fidelity_bytes_runs():
     assert best["spearman_q8"] == best["spearman"] and -1 <= best["spearman_q1"] <= 1
 
 
-def test_selection_runs(tmp_path):
-    res = _last_json("selection.py", "--quick", "--arms", "none,random,greats-head,greats-sampled", "--steps", "12",
-                     "--batch", "4", "--n-each", "64", "--sample", "6",
+def test_selection_runs_the_shipped_pool(tmp_path):
+    res = _last_json("selection.py", "--pool", "shipped", "--quick", "--arms", "none,random,greats-head,greats-sampled",
+                     "--steps", "12", "--batch", "4", "--n-each", "64", "--sample", "6",
                      "--n-val", "16", "--target-examples", "8", "--window", "24", "--every", "4", "--eval-every", "4",
                      "--out", str(tmp_path), "--png", str(tmp_path / "curves.png"))
-    assert res["benchmark"] == "selection" and set(res["arms"]) == {"none", "random", "greats-head", "greats-sampled"}
+    assert res["benchmark"] == "selection" and set(res["arms"]) == {
+        f"{a}@target" for a in ("none", "random", "greats-head", "greats-sampled")}
     assert res["headline_arm"] == "greats-sampled" and res["config"]["sample"] == 6
-    rounds = [json.loads(x) for x in (tmp_path / "greats-sampled-s0" / "tda" / "selection" / "rounds.jsonl")
+    rounds = [json.loads(x) for x in (tmp_path / "greats-sampled-target-s0" / "tda" / "selection" / "rounds.jsonl")
               .read_text().splitlines()]
     assert rounds and all(r["examples_measured"] == 6 and r["examples_rescored"] == 24 for r in rounds)
-    assert 0.0 <= res["steps_saved_frac"] <= 1.0 and isinstance(res["compute_matched_delta"], float)
-    assert res["arms"]["greats-head"]["selection_overhead"] > 0 and (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert 0.0 <= res["best_steps_saved_frac"] <= 1.0 and isinstance(res["worst_compute_matched_delta"], float)
+    assert res["arms"]["greats-head@target"]["selection_overhead"] > 0
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_selection_runs_the_natural_pool_with_both_targets(tmp_path):
+    res = _last_json("selection.py", "--quick", "--arms", "none,ceiling,sources", "--steps", "12", "--batch", "4",
+                     "--n-each", "64", "--n-val", "16", "--target-examples", "4", "--every", "4", "--target-every", "2",
+                     "--eval-every", "4", "--out", str(tmp_path))
+    assert res["pool"] == "natural" and res["headline_arm"] == "sources" and res["targets"] == ["reference", "code"]
+    for key in ("worst_compute_matched_delta", "worst_ci95_high", "best_steps_saved_frac", "selection_overhead"):
+        assert isinstance(res[key], float), key
+    assert set(res["ceiling_steps_saved"]) == {"reference", "code"}
+    assert set(res["arms"]) == {f"{a}@{t}" for a in ("none", "ceiling", "sources") for t in ("reference", "code")}
+    rounds = [json.loads(x) for x in (tmp_path / "sources-code-s0" / "tda" / "selection" / "rounds.jsonl")
+              .read_text().splitlines()]
+    assert [r["step"] for r in rounds] == [4, 8, 12] and [r["target_refreshed"] for r in rounds] == [True, False, True]
+    assert set(rounds[0]["source_weight"]) == {"reference", "code", "docstrings", "licenses"}
+    # each target's validation and selection target are held out of its training source
+    data = tmp_path / "data-s0"
+    train = {json.loads(x)["text"] for x in (data / "code" / "passages.jsonl").read_text().splitlines()}
+    target = [json.loads(x)["text"] for x in (data / "target-code.jsonl").read_text().splitlines()]
+    assert len(train) == 64 and len(target) == 4 and not train & set(target)
 
 
 def test_selection_refuses_unknown_arms():
@@ -278,8 +300,8 @@ def test_selection_refuses_unknown_arms():
 
 
 def test_selection_refuses_a_pool_the_filter_arms_would_exhaust():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "selection.py"), "--quick", "--n-each", "2000"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "selection.py"), "--pool", "shipped", "--quick",
+                          "--n-each", "2000"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "would read 8000 candidates but the pool holds 6000" in out.stderr
 
 

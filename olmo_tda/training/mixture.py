@@ -96,7 +96,7 @@ class SourceMixer:
     """Per-source running sums of captured rows, the target gradient, and the weights they give
     (see the module docstring). Every rank holds the same state once :meth:`sync` has run."""
 
-    def __init__(self, names: list[str], *, shares: list[float] | np.ndarray, temperature: float = 0.5,
+    def __init__(self, names: list[str], *, shares: list[float] | np.ndarray, temperature: float = 0.1,
                  memory: float = 0.9, floor: float = 0.1, decay: float = 0.5, precondition: bool = True,
                  damping: float = 0.01, min_rows: int = 8):
         if len(names) != len(shares) or not names:
