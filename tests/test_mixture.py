@@ -201,3 +201,14 @@ def test_config_checks_the_sources_settings(tmp_path):
                      ("target_every", 0), ("source_decay", -0.1)):
         with pytest.raises(ConfigError, match=f"selection.{key}"):
             SelectionConfig(enabled=True, policy="sources", target=str(target), **{key: bad}).validate()
+
+
+def test_the_deepspeed_callback_refuses_the_sources_policy_by_name(tmp_path):
+    from olmo_tda.integrations.deepspeed import DeepSpeedSelection
+
+    target = tmp_path / "t.txt"
+    target.write_text("x\n")
+    cfg = SelectionConfig(enabled=True, policy="sources", target=str(target))
+    cfg.validate()
+    with pytest.raises(ConfigError, match="policy sources runs in OLMo runs"):
+        DeepSpeedSelection(object(), cfg, order=None, fetch=None, forward=None, seq_len=8, log_folder=tmp_path)
