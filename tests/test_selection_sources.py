@@ -91,6 +91,10 @@ def test_rounds_pull_the_weighted_mix_forward_and_log_it(data_dir):
     for key in ("tda/selection_weight/prose", "tda/selection_score/code", "tda/selection_front_frac/other",
                 "tda/selection_target_refreshed"):
         assert key.encode() in blob, key
+    from olmo_tda.cli import main as cli_main      # the run's report plots the weights
+
+    assert cli_main(["report", str(run)]) == 0
+    assert (run / "tda" / "selection.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_two_ranks_resumed_from_a_checkpoint_train_the_uninterrupted_runs_ids(data_dir):

@@ -37,7 +37,7 @@ def plot_training(path: Path, steps: Sequence[int], losses: Sequence[float],
 
 def plot_selection(path: Path, rounds: Sequence[dict[str, Any]]) -> Path:
     """The selection rounds of a run (``tda/selection/rounds.jsonl``) as a PNG: promoted vs demoted
-    mean score, rank correlation with the previous round, the front's fraction per data source, and
+    mean score (the sources policy: its weights per source), rank correlation with the previous round, the front's fraction per data source, and
     seconds per round."""
     import matplotlib
 
@@ -46,9 +46,15 @@ def plot_selection(path: Path, rounds: Sequence[dict[str, Any]]) -> Path:
 
     steps = [r["step"] for r in rounds]
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.4))
-    for key, label in (("promoted_mean_score", "promoted"), ("demoted_mean_score", "demoted")):
+    weighted = sorted({s for r in rounds for s in (r.get("source_weight") or {})})
+    if weighted:        # the sources policy: its weights per source, not per-example scores
+        for src in weighted:
+            axes[0].plot(steps, [(r.get("source_weight") or {}).get(src, float("nan")) for r in rounds], ".-", label=src)
+        axes[0].set(xlabel="step", ylabel="weight", title="source weights (sources)", ylim=(0, 1))
+    for key, label in (("promoted_mean_score", "promoted"), ("demoted_mean_score", "demoted")) if not weighted else ():
         axes[0].plot(steps, [r.get(key) if r.get(key) is not None else float("nan") for r in rounds], ".-", label=label)
-    axes[0].set(xlabel="step", ylabel="mean score", title=f"scores ({rounds[0].get('policy', '?')})")
+    if not weighted:
+        axes[0].set(xlabel="step", ylabel="mean score", title=f"scores ({rounds[0].get('policy', '?')})")
     axes[0].legend()
     axes[1].plot(steps, [r["rank_corr_prev"] if r.get("rank_corr_prev") is not None else float("nan")
                          for r in rounds], ".-", color="tab:purple")
