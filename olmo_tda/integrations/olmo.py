@@ -447,7 +447,7 @@ class TDATrainer(Trainer):
                 self.store.append(record)
                 rows = len(self._record.ids)
                 if self.selector is not None:       # the sources policy learns from these very rows
-                    self.selector.observe(self._record.ids, self._record.dense())
+                    self.selector.observe(self._record)
                 self._record = None
                 append_ms = 1e3 * (time.perf_counter() - t1)
             # the slowest rank's (below): a rank whose writer falls behind (a slow disk: its queue full)

@@ -266,7 +266,7 @@ class OnlineSelector:
         self._pause = pause
         self.mixer: SourceMixer | None = None
         self._fold_seconds = 0.0
-        self._pending: list[tuple[np.ndarray, dict[str, torch.Tensor]]] = []
+        self._pending: list[tuple[np.ndarray, object]] = []      # (ids, Recording) since the last fold
         self._source_index: Callable[[np.ndarray], np.ndarray] | None = None
         self.capture = None
         self._owns_capture = True
@@ -303,13 +303,14 @@ class OnlineSelector:
 
     # -- the sources policy: rows the training step captured ----------------------------------------
 
-    def observe(self, ids: np.ndarray, grads: dict[str, torch.Tensor]) -> None:
-        """Keep one step's captured rows on this rank (``grads``: the record's
-        :meth:`~olmo_tda.capture.hooks.Recording.dense`, ``{layer: [B, Ko, Ki]}``) for the ``sources``
-        policy; they are folded into its sums at the next round or checkpoint (:meth:`sync`), in one
-        batch: the step itself only keeps a reference. A no-op for other policies."""
-        if self.mixer is not None and len(ids):
-            self._pending.append((np.asarray(ids, dtype=np.int64), grads))
+    def observe(self, record) -> None:
+        """Keep one step's :class:`~olmo_tda.capture.hooks.Recording` on this rank for the ``sources``
+        policy; its rows (:meth:`~olmo_tda.capture.hooks.Recording.dense`) are folded into the sums at
+        the next round or checkpoint (:meth:`sync`), in one batch: the step itself only keeps a
+        reference (a factor-stored capture's dense rows are formed then, off the step). A no-op for
+        other policies."""
+        if self.mixer is not None and len(record.ids):
+            self._pending.append((np.asarray(record.ids, dtype=np.int64), record))
 
     def sync(self, source_index: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         """Fold the kept rows into the mixer, summed over ranks. Collective: every rank calls it at
@@ -321,8 +322,9 @@ class OnlineSelector:
         if self._pending:
             if source_index is None:
                 raise SelectionError("selection policy 'sources' needs each example's data source")
-            names = list(self._pending[0][1])
-            rows = torch.cat([torch.cat([g[n].reshape(len(i), -1) for i, g in self._pending]) for n in names], dim=1)
+            dense = [(i, rec.dense()) for i, rec in self._pending]
+            names = list(dense[0][1])
+            rows = torch.cat([torch.cat([g[n].reshape(len(i), -1) for i, g in dense]) for n in names], dim=1)
             self.mixer.observe(source_index(np.concatenate([i for i, _ in self._pending])), rows)
             self._pending = []
         reduce = None
