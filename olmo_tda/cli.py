@@ -23,7 +23,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"\n[{q['kind']}] {q['query'][:90]!r}")
         for rank, r in enumerate(q["results"][:3], 1):
             mark = "  <- itself" if r.get("hit") else ""
-            print(f"  {rank}. #{r['index']:<5} step {r['step']:<4} score {r['score']:+.3f}  {r['text'][:70]!r}{mark}")
+            print(f"  {rank}. #{r['index']:<5} {r['source']:<8} score {r['score']:+.3f}  {r['text'][:70]!r}{mark}")
     print(f"\nreport: {summary.report}")
     print(summary.line())
     return 0
@@ -52,28 +52,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_queries(args: argparse.Namespace) -> list[str]:
-    texts = list(args.query or [])
+def _read_queries(args: argparse.Namespace) -> list:
+    """``--query`` texts (each paired with an ``--answer`` when answers are given) and ``--query-file``'s."""
+    from .methods.queries import Query, read_queries
+
+    texts, answers = list(args.query or []), list(args.answer or [])
+    if answers and len(answers) != len(texts):
+        raise ValueError(f"--answer pairs with --query in order: got {len(texts)} --query and {len(answers)} "
+                         "--answer")
+    queries = [Query(t, a) for t, a in zip(texts, answers)] if answers else [Query(t) for t in texts]
     if args.query_file:
-        try:
-            lines = Path(args.query_file).read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--query-file {args.query_file}: not UTF-8 text ({e})") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{args.query_file}:{n}: not JSON ({e}); expected {{\"text\": ...}} per line") from None
-            text = item if isinstance(item, str) else (item.get("text") or item.get("query")
-                                                        if isinstance(item, dict) else None)
-            if not isinstance(text, str):
-                raise ValueError(f"{args.query_file}:{n}: expected a string or an object with \"text\"")
-            texts.append(text)
-    if not texts:
-        raise ValueError("give --query TEXT (repeatable) or --query-file F.jsonl")
-    return texts
+        queries += read_queries(args.query_file)
+    if not queries:
+        raise ValueError("give --query TEXT (repeatable, with --answer TEXT for prompt → answer queries) or "
+                         "--query-file F.jsonl")
+    return queries
 
 
 def _read_ids(spec: str) -> list[int]:
@@ -116,10 +109,12 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     for flag, out in (("--json", args.json), ("--html", args.html)):
         if out and not Path(out).resolve().parent.is_dir():       # before the work, not after it
             raise ValueError(f"{flag} {out}: no such folder {Path(out).resolve().parent}")
-    run = open_run(run_dir)
-    answers = run.attribute(_read_queries(args), method=args.method, top_k=args.top_k,
+    queries = _read_queries(args)
+    run = open_run(run_dir, skip_damaged=args.skip_damaged)
+    answers = run.attribute(queries, method=args.method, top_k=args.top_k, group_by=args.group_by,
                             progress=sys.stderr.isatty(), ids=ids, **options)
     settings = _settings(args.method, run.last_info, options)
+    listing = not args.json                 # with --json the file holds the answers; stdout a summary
     if args.method == "influence":
         info = run.last_info
         damping = info["damping"]
@@ -127,31 +122,47 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
               f"damping λ per layer {settings['damping']} over {info['num_rows']} rows")
         for answer in answers:
             answer["damping"] = damping
+    if "skipped_rows" in settings:
+        print(f"skipped {settings['skipped_rows']} rows of {len(settings['skipped_shards'])} damaged shards "
+              f"({', '.join(settings['skipped_shards'][:5])}): their examples are scored without them")
     for answer in answers:
         answer["settings"] = settings
-    for answer in answers:
-        print(f"\nquery: {answer['query'][:100]!r}")
-        if "scored_tokens" in answer:
-            print(f"  (scored on its first {answer['scored_tokens']} of {answer['tokens']} tokens: the model's "
-                  "max_sequence_length)")
-        print(f"  {'#':>2} {'index':>8} {'step':>6} {'score':>9}  training passage")
-        for rank, r in enumerate(answer["results"], 1):
-            step = "all" if r["step"] < 0 else r["step"]
-            print(f"  {rank:>2} {r['index']:>8} {step:>6} {r['score']:>+9.4f}  {r['text'][:80]!r}")
+    for answer in answers if listing else ():
+        _print_answer(answer, args.group_by)
     if args.json:
         Path(args.json).write_text(json.dumps(answers, indent=1))
-        print(f"\nwrote {args.json}")
+        found = sum(bool(a["results"]) for a in answers)
+        print(f"wrote {args.json}: {len(answers)} answers ({found} with results), method {args.method}, "
+              f"by {args.group_by}, top {args.top_k}")
     if args.html:
         from .report.html import write_attribution_report
 
-        shown = [{**a, "kind": f"query ({args.method})",
-                  "results": [{**r, "step": "all" if r["step"] < 0 else r["step"]} for r in a["results"]]}
-                 for a in answers]
+        shown = [{**a, "kind": f"query ({args.method}, by {args.group_by})"} for a in answers]
         write_attribution_report(Path(args.html), title=f"olmo_tda: {args.method} on {run_dir}",
                                  summary={"run": str(run_dir), "top_k": args.top_k, **settings},
                                  queries=shown)
         print(f"wrote {args.html}")
     return 0
+
+
+def _print_answer(answer: dict[str, Any], group_by: str) -> None:
+    if "completion" in answer:
+        print(f"\nprompt: {answer['prompt'][:100]!r} → answer: {answer['completion'][:60]!r}")
+    else:
+        print(f"\nquery: {answer['query'][:100]!r}")
+    if "scored_tokens" in answer:
+        print(f"  (scored on its first {answer['scored_tokens']} of {answer['tokens']} tokens: the model's "
+              "max_sequence_length)")
+    if group_by == "source":
+        print(f"  {'#':>2} {'score':>10} {'instances':>9}  source")
+        for rank, r in enumerate(answer["results"], 1):
+            print(f"  {rank:>2} {r['score']:>+10.4f} {r['instances']:>9}  {r['source']}")
+        return
+    first = {"row": "step", "example": "source", "document": "name"}[group_by]
+    print(f"  {'#':>2} {'index':>8} {first:>12} {'score':>9}  training {group_by if group_by != 'row' else 'passage'}")
+    for rank, r in enumerate(answer["results"], 1):
+        label = str(r["step"] if group_by == "row" else r["source"] if group_by == "example" else r["name"])
+        print(f"  {rank:>2} {r['index']:>8} {label[-12:]:>12} {r['score']:>+9.4f}  {r['text'][:80]!r}")
 
 
 def _settings(method: str, info: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -216,6 +227,32 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if damaged else 0
 
 
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from .data import prepare
+    from .demo.data import BYTE_TOKENIZER_ID
+
+    if args.tokenizer == BYTE_TOKENIZER_ID:
+        from .demo.corpus import ByteTokenizer
+
+        tok = ByteTokenizer()
+        encode, eos, vocab = tok.encode, tok.eos_token_id, tok.vocab_size
+    else:
+        from olmo.tokenizer import Tokenizer
+
+        kwargs = {"eos_token_id": args.eos_token_id} if args.eos_token_id is not None else {}
+        hf = (Tokenizer.from_file(args.tokenizer, **kwargs) if Path(args.tokenizer).is_file()
+              else Tokenizer.from_pretrained(args.tokenizer, **kwargs))
+        encode, eos, vocab = (lambda text: hf.encode(text, add_special_tokens=False)), hf.eos_token_id, hf.vocab_size
+    paths = prepare(args.inputs, args.out, encode=encode, eos_token_id=eos, vocab_size=vocab)
+    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    for path in paths:
+        print(f"wrote {path} ({path.stat().st_size // (2 if dtype == 'uint16' else 4)} tokens) and its document index")
+    print("\nin the training YAML (one source per file; data.datasets: {label: [path]} names them otherwise):")
+    print(f"tokenizer:\n  identifier: {args.tokenizer}\nmodel:\n  eos_token_id: {eos}\n"
+          f"data:\n  memmap_dtype: {dtype}\n  paths: [{', '.join(str(p) for p in paths)}]")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report.html import write_run_report
 
@@ -259,14 +296,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="approximate each query gradient by its best rank-r factors (faster on factor "
                            "stores); 0 = exact queries")
     attr.add_argument("--html", help="also write an HTML report of the answers to this file")
-    attr.add_argument("--query", action="append", help="query text (repeatable)")
-    attr.add_argument("--query-file", help="JSONL: one string or {\"text\": ...} per line")
+    attr.add_argument("--query", action="append", help="query text (repeatable); with --answer, the prompt")
+    attr.add_argument("--answer", action="append",
+                      help="the answer the --query prompt should lead to (repeatable, paired in order): only "
+                           "its tokens are scored, the prompt is context")
+    attr.add_argument("--query-file", help="JSONL: per line a string, {\"text\": ...} or {\"prompt\": ..., "
+                                           "\"completion\": ...}")
+    attr.add_argument("--group-by", choices=["example", "document", "source", "row"], default="example",
+                      help="list training examples (default; summed over their steps), documents of the data "
+                           "files (an instance's score split by token share), sources (data files or "
+                           "data.datasets labels), or raw (example, step) rows")
+    attr.add_argument("--skip-damaged", action="store_true",
+                      help="leave out store shards whose checksums fail (counted in the output) instead of "
+                           "refusing to answer")
     from .methods import available_methods
     attr.add_argument("--method", default="gradcos", choices=[*available_methods(), "tracin", "tracin-inrun"],
                       help="tracin: TracIn-CP over the run's trajectory checkpoints; tracin-inrun: the captured "
                            "gradients weighted by lr/loss_scale, queries at the nearest checkpoint")
     attr.add_argument("--top-k", type=int, default=10)
-    attr.add_argument("--json", help="also write the answers as JSON here")
+    attr.add_argument("--json", help="write the answers as JSON to this file (stdout then holds a summary)")
     attr.set_defaults(func=_cmd_attribute)
     inspect = sub.add_parser("inspect", help="summarize a gradient store and trajectory (or a run directory holding them)")
     inspect.add_argument("path")
@@ -274,6 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--verify", action="store_true",
                          help="read every shard and check its checksums; exit 1 naming any damaged one")
     inspect.set_defaults(func=_cmd_inspect)
+    prep = sub.add_parser("prepare", help="text/JSONL files to OLMo memmap training data with a document index "
+                                          "(one source per file)")
+    prep.add_argument("inputs", nargs="+", help=".jsonl/.json (a \"text\" field per line, named by \"id\") or "
+                                                ".txt/.text/.md (documents separated by blank lines)")
+    prep.add_argument("--out", required=True, help="folder for <stem>.npy and <stem>.npy.docs.npz per input")
+    prep.add_argument("--tokenizer", default="olmo_tda:bytes",
+                      help="olmo_tda:bytes (default: UTF-8 bytes, end-of-text 256), a tokenizer.json file, or a "
+                           "Hugging Face tokenizer identifier (it must be cached locally)")
+    prep.add_argument("--eos-token-id", type=int, help="end-of-text id of a tokenizer file (default: its own)")
+    prep.set_defaults(func=_cmd_prepare)
     report = sub.add_parser("report", help="HTML report of a run: training curve and online-selection rounds")
     report.add_argument("run", help="run directory of olmo-tda train")
     report.add_argument("--out", help="HTML file (default: RUN/tda/report.html; plots beside it)")

@@ -43,8 +43,15 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     answers = json.loads((tmp_path / "a.json").read_text())
     assert answers[0]["query"] == passage["text"]
     top = answers[0]["results"][0]
-    assert set(top) == {"index", "step", "score", "text"} and top["index"] == passage["index"]
-    assert top["text"] == passage["text"]
+    assert set(top) == {"index", "source", "score", "text"} and top["index"] == passage["index"]
+    assert top["text"] == passage["text"] and top["source"] == "train"
+    # by row: (example, step) rows as stored; the CLI's stdout holds the summary only when --json is given
+    capsys.readouterr()
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--group-by", "row", "--top-k", "3",
+                 "--json", str(tmp_path / "rows.json")]) == 0
+    assert capsys.readouterr().out.count("\n") == 1
+    rows = json.loads((tmp_path / "rows.json").read_text())[0]["results"]
+    assert set(rows[0]) == {"index", "step", "source", "score", "text"} and rows[0]["index"] == passage["index"]
 
     capsys.readouterr()
     assert main(["inspect", str(out), "--json"]) == 0
@@ -58,12 +65,13 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
         assert main(["attribute", str(out), "--query-file", str(qfile), "--method", method, "--top-k", "3",
                      "--json", str(tmp_path / f"{method}.json"), "--html", str(tmp_path / f"{method}.html")]) == 0
         page = (tmp_path / f"{method}.html").read_text()
-        assert page.count("<tr><td>") == 3 and "<td>all</td>" in page and method in page
+        assert page.count("<tr><td>") == 3 and "<td>train</td>" in page and method in page
         results = json.loads((tmp_path / f"{method}.json").read_text())[0]["results"]
-        assert len(results) == 3 and all(r["step"] == -1 and np.isfinite(r["score"]) for r in results)
+        assert len(results) == 3 and all("step" not in r and np.isfinite(r["score"]) for r in results)
         if method == "tracin":   # in-run TracIn pairs each step with a checkpoint up to 8 steps away here
             assert results[0]["index"] == passage["index"], results[0]
-    assert "all" in capsys.readouterr().out.splitlines()[3]      # the step column of an example-level method
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "tracin", "--group-by", "row"]) == 2
+    assert "scores examples (summed over checkpoints or steps), not rows" in capsys.readouterr().err
     # from Python, as the README says: the package's OLMoRun opens the demo's folder as the CLI does
     import olmo_tda
 
@@ -102,7 +110,7 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
                  "--query-rank", "2", "--json", str(tmp_path / "q2.json")]) == 0
     from olmo_tda.integrations.olmo_query import open_run
     run = open_run(out / "run")
-    assert json.loads((tmp_path / "q2.json").read_text())[0]["settings"] == {"method": "graddot", "query_rank": 2,
+    assert json.loads((tmp_path / "q2.json").read_text())[0]["settings"] == {"method": "graddot", "query_rank": 2, "group_by": "example",
                                                                             "route": "auto"}
     got = json.loads((tmp_path / "q2.json").read_text())[0]["results"]
     want = run.attribute([passage["text"]], method="graddot", top_k=5, query_rank=2)[0]["results"]
@@ -145,6 +153,8 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     answer = json.loads((tmp_path / "long.json").read_text())[0]
     assert answer["query"] == longer and answer["scored_tokens"] == 64 and answer["tokens"] == len(longer.encode())
     assert answer["results"][0]["index"] == passage["index"]
+    capsys.readouterr()
+    assert main(["attribute", str(out), "--query", longer, "--top-k", "1"]) == 0
     assert "(scored on its first 64 of" in capsys.readouterr().out
     # refused before any work: an output file in a folder that does not exist, a query file not UTF-8
     assert main(["attribute", str(out), "--query", "x y", "--json", str(tmp_path / "no" / "a.json")]) == 2

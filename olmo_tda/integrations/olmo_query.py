@@ -27,11 +27,14 @@ import torch
 import yaml
 
 from ..capture import GradientCapture, activation_grads_only
+from ..data import Corpus
 from ..config import ConfigError, ProjectionType, TDAConfig, apply_overrides
 from ..demo.corpus import ByteTokenizer
 from ..demo.data import BYTE_TOKENIZER_ID
 from ..methods import attribute
 from ..methods.base import projector_difference
+from ..methods.grouping import ByDocument, ByExample, BySource, GroupBy, GroupScores
+from ..methods.queries import Query, query_gradients
 from ..store import GradientStore
 from .olmo import TDA_YAML, basis_path
 
@@ -46,7 +49,7 @@ class OLMoRun:
     query_projector_specs: dict[str, Any] | None = None
     """The projector specs of the last :meth:`query_gradients` (to name what differs from the store's)."""
 
-    def __init__(self, run_dir: str | Path, checkpoint: str | Path | None = None):
+    def __init__(self, run_dir: str | Path, checkpoint: str | Path | None = None, *, skip_damaged: bool = False):
         from olmo.config import TrainConfig
         from olmo.model import OLMo
 
@@ -62,7 +65,8 @@ class OLMoRun:
         self.tda = saved_tda_config(self.dir / TDA_YAML)
         if self.tda.capture.proj_type is ProjectionType.EIGEN:     # the frozen eigenbasis the run trained with
             self.tda.capture.basis = str(basis_path(self.tda.capture, self.dir))
-        self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"))
+        self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"),
+                                        skip_damaged=skip_damaged)
         ckpt = Path(checkpoint) if checkpoint else self._latest_checkpoint()
         self.cfg.model.init_device = "cpu"
         self.model = OLMo(self.cfg.model)
@@ -71,6 +75,7 @@ class OLMoRun:
         self.checkpoint = ckpt
         self.tokenizer = self._tokenizer()
         self._dataset = None
+        self._corpus: Corpus | None = None
 
     def _latest_checkpoint(self) -> Path:
         found = sorted((p for p in self.dir.glob("step*-unsharded") if _UNSHARDED.match(p.name)),
@@ -91,15 +96,6 @@ class OLMoRun:
             self.tokenizer, ByteTokenizer) else self.tokenizer.encode(text)
         return ids
 
-    def _query_tokens(self, text: str) -> list[int]:
-        """The tokens of ``text`` a query scores: its first ``max_sequence_length`` (said in a warning,
-        and in the answer's ``scored_tokens``, when that cuts it)."""
-        ids, limit = self._encode(text), self.cfg.model.max_sequence_length
-        if len(ids) > limit:
-            log.warning("query %s is %d tokens: only its first %d (the model's max_sequence_length) are scored",
-                        _short(text), len(ids), limit)
-        return ids[:limit]
-
     def passage(self, index: int) -> str:
         """Decoded text of training instance ``index`` (OLMo's global instance id)."""
         if self._dataset is None:
@@ -107,25 +103,36 @@ class OLMoRun:
             self._dataset = build_memmap_dataset(self.cfg, self.cfg.data)
         return self.tokenizer.decode(self._dataset[int(index)]["input_ids"].tolist())
 
-    def query_gradients(self, texts: list[str]) -> tuple[dict[str, torch.Tensor], str]:
-        """Projected gradients ``{layer: [Q, Ko, Ki]}`` of each text's summed token loss, at the
+    @property
+    def corpus(self) -> Corpus:
+        """The run's training data as instances, documents and sources (:class:`~olmo_tda.data.Corpus`)."""
+        if self._corpus is None:
+            data = self.cfg.data
+            if data.paths:
+                paths, labels = list(data.paths), None
+            elif data.datasets:
+                paths = [p for label in sorted(data.datasets) for p in data.datasets[label]]
+                labels = [label for label in sorted(data.datasets) for _ in data.datasets[label]]
+            else:
+                raise ValueError(f"{self.dir}: the run's config names no training data (data.paths or data.datasets)")
+            self._corpus = Corpus(paths, labels=labels, seq_len=self.cfg.model.max_sequence_length,
+                                  eos_token_id=self.cfg.model.eos_token_id,
+                                  dtype=getattr(data, "effective_memmap_dtype", np.uint16),
+                                  decode=lambda ids: self.tokenizer.decode(ids))
+        return self._corpus
+
+    def query_gradients(self, queries: list[str | Query]) -> tuple[dict[str, torch.Tensor], str]:
+        """Projected gradients ``{layer: [Q, Ko, Ki]}`` of each query's loss (a text's summed token loss,
+        a prompt → answer query's answer tokens only: :class:`~olmo_tda.methods.queries.Query`) at the
         checkpoint's weights, through projectors identical to the store's (their hash is returned)."""
+        items = [(q if isinstance(q, Query) else Query(q)).tokens(
+            self._encode, eos_token_id=self.cfg.model.eos_token_id, max_len=self.cfg.model.max_sequence_length)
+            for q in queries]
         capture = GradientCapture(self.model, self.tda.capture)
         try:
-            grads: dict[str, list[torch.Tensor]] = {}
-            with activation_grads_only(self.model):
-                for text in texts:
-                    tokens = torch.tensor([self._query_tokens(text)])
-                    if tokens.shape[1] < 2:
-                        raise ValueError(f"query {text!r} is too short: it needs at least 2 tokens")
-                    with capture.record([0]) as rec:
-                        logits = self.model(tokens).logits
-                        torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:], reduction="sum").backward()
-                    self.model.zero_grad(set_to_none=True)
-                    for name, g in rec.dense().items():
-                        grads.setdefault(name, []).append(g)
+            grads = query_gradients(self.model, capture, items)
             self.query_projector_specs = capture.projector_specs     # names what differs from the store's
-            return {n: torch.cat(gs) for n, gs in grads.items()}, capture.projector_hash
+            return grads, capture.projector_hash
         finally:
             capture.remove()
 
@@ -184,7 +191,7 @@ class OLMoRun:
             self._dataset = build_memmap_dataset(self.cfg, self.cfg.data)
         return len(self._dataset)
 
-    def tracin(self, texts: list[str], *, inrun: bool = False, ids: np.ndarray | None = None,
+    def tracin(self, texts: list[str | Query], *, inrun: bool = False, ids: np.ndarray | None = None,
                checkpoints: list | None = None, batch_size: int = 64, progress: bool = False):
         """TracIn scores ``([Q, N], example ids [N])``: TracIn-CP over the kept checkpoints (training
         examples ``ids``, default all instances), or in-run TracIn over the store's rows."""
@@ -209,7 +216,7 @@ class OLMoRun:
                 by_step = {c.step: c for c in ckpts}
                 return tracin_inrun(self.store, lambda step: queries_at(by_step[step]), sorted(by_step))
             ids = np.arange(self.num_instances()) if ids is None else np.asarray(ids, dtype=np.int64)
-            fingerprint = {"texts": texts, "ids": hashlib.sha256(ids.tobytes()).hexdigest(),
+            fingerprint = {"texts": [_fingerprint(q) for q in texts], "ids": hashlib.sha256(ids.tobytes()).hexdigest(),
                            "projector_hash": store_hash, "run": str(self.dir.resolve())}
             return tracin_cp(ckpts, queries_at,
                              lambda ckpt: self.train_gradients(ids, batch_size=batch_size, progress=progress),
@@ -219,35 +226,79 @@ class OLMoRun:
         finally:
             self.model.load_state_dict(original)
 
-    def attribute(self, texts: list[str], *, method: str = "gradcos", top_k: int = 10,
-                  progress: bool = False, ids: Any = None, **method_options: Any) -> list[dict[str, Any]]:
-        """``[{"query", "results": [{"index", "step", "score", "text"}, ...]}, ...]`` best first; a query
-        longer than the model's ``max_sequence_length`` is scored on its first tokens, and its answer
-        says so (``tokens``, ``scored_tokens``). TracIn methods (``tracin``, ``tracin-inrun``) score examples over all their steps (``step`` -1)."""
+    def attribute(self, queries: list[str | Query], *, method: str = "gradcos", top_k: int = 10,
+                  group_by: str = "example", progress: bool = False, ids: Any = None,
+                  **method_options: Any) -> list[dict[str, Any]]:
+        """``[{"query", "results": [...]}, ...]``, best first, per query (a text, or a prompt → answer
+        :class:`~olmo_tda.methods.queries.Query`). ``group_by`` (see :mod:`olmo_tda.methods.grouping`):
+
+        - ``example`` (default): ``{"index", "score", "source", "text"}``, each training instance once,
+          its score summed over the steps it was trained at;
+        - ``document``: ``{"index", "name", "score", "source", "text"}``, a document of the data files;
+        - ``source``: ``{"index", "source", "score", "instances"}``, a data file or ``data.datasets`` label;
+        - ``row``: ``{"index", "step", "score", "source", "text"}``, one (example, step) row as stored
+          (not for TracIn, which scores examples).
+
+        A query longer than the model's ``max_sequence_length`` is cut, and its answer says so
+        (``tokens``, ``scored_tokens``)."""
+        queries = [q if isinstance(q, Query) else Query(q) for q in queries]
+        texts = [q.text for q in queries]
+        try:
+            kind = GroupBy(group_by)
+        except ValueError:
+            raise ValueError(f"group_by must be one of {[g.value for g in GroupBy]}, got {group_by!r}") from None
+        grouping = {GroupBy.ROW: None, GroupBy.EXAMPLE: ByExample()}.get(kind) if kind in (
+            GroupBy.ROW, GroupBy.EXAMPLE) else (ByDocument if kind is GroupBy.DOCUMENT else BySource)(self.corpus)
         if method in ("tracin", "tracin-inrun"):
             from ..methods.tracin import top_examples
 
+            if kind is GroupBy.ROW:
+                raise ValueError(f"{method} scores examples (summed over checkpoints or steps), not rows: use "
+                                 "group_by example, document or source")
             if ids is not None and method != "tracin":
                 raise ValueError("ids= selects the training examples of TracIn-CP (method='tracin')")
             if ids is not None and (min(ids) < 0 or max(ids) >= self.num_instances()):
                 raise ValueError(f"ids must be training instance indices in [0, {self.num_instances()})")
-            scores, example_ids = self.tracin(texts, inrun=method == "tracin-inrun", ids=ids, progress=progress)
+            scores, example_ids = self.tracin(queries, inrun=method == "tracin-inrun", ids=ids, progress=progress)
             result = top_examples(method, scores, example_ids, top_k, list(self.store.layers))
+            if kind is not GroupBy.EXAMPLE:
+                groups = GroupScores(grouping, scores.shape[0])
+                groups.add(scores, example_ids)
+                result.scores, result.ids = groups.top(top_k)
+                result.steps, result.group_by = np.full_like(result.ids, -1), kind.value
         else:
-            queries, projector_hash = self.query_gradients(texts)
-            result = attribute(self.store, queries, method=method, top_k=top_k, projector_hash=projector_hash,
-                               projector_specs=self.query_projector_specs, **method_options)
-        self.last_info = result.info        # what the method reports of this answer (λ, route, ...)
+            grads, projector_hash = self.query_gradients(queries)
+            result = attribute(self.store, grads, method=method, top_k=top_k, projector_hash=projector_hash,
+                               projector_specs=self.query_projector_specs, group_by=grouping or "row",
+                               **method_options)
+        self.last_info = {**result.info, "group_by": kind.value}   # what decided this answer (λ, route, ...)
+        if self.store.skipped:
+            self.last_info["skipped_rows"] = sum(v["rows"] for v in self.store.skipped.values())
+            self.last_info["skipped_shards"] = sorted(self.store.skipped)
         out = []
-        for text, rows in zip(texts, result.as_dicts()):
-            for row in rows:
-                row["text"] = self.passage(row["index"])
-            answer = {"query": text, "results": rows}
+        for query, text, rows in zip(queries, texts, result.as_dicts()):
+            answer = {"query": text, "results": [self._describe(kind, row) for row in rows]}
+            if query.completion is not None:
+                answer.update(prompt=query.prompt, completion=query.completion)
             tokens = len(self._encode(text))
-            if tokens > self.cfg.model.max_sequence_length:
+            if query.completion is None and tokens > self.cfg.model.max_sequence_length:
                 answer.update(tokens=tokens, scored_tokens=self.cfg.model.max_sequence_length)
             out.append(answer)
         return out
+
+    def _describe(self, kind: GroupBy, row: dict[str, Any]) -> dict[str, Any]:
+        """An answer's entry with what a reader needs: text and source (a document's name)."""
+        index = row["index"]
+        if kind is GroupBy.SOURCE:
+            return {"index": index, "source": self.corpus.sources[index], "score": row["score"],
+                    "instances": int(self.corpus.source_instances()[index])}
+        if kind is GroupBy.DOCUMENT:
+            return {"index": index, "name": self.corpus.document_name(index), "score": row["score"],
+                    "source": self.corpus.document_source(index), "text": self.corpus.document_text(index)}
+        entry = {"index": index, **({"step": row["step"]} if kind is GroupBy.ROW else {}), "score": row["score"],
+                 "source": self.corpus.sources[int(self.corpus.source_of(np.array([index]))[0])],
+                 "text": self.passage(index)}
+        return entry
 
 
 class DeepSpeedRun(OLMoRun):
@@ -260,7 +311,7 @@ class DeepSpeedRun(OLMoRun):
     def trajectory_path(self) -> Path:
         return self._trajectory
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, *, skip_damaged: bool = False):
         from olmo.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig
         from olmo.model import OLMo
         from safetensors.torch import load_file
@@ -273,7 +324,8 @@ class DeepSpeedRun(OLMoRun):
             raise FileNotFoundError(f"{self.dir} is not a DeepSpeed example run directory (no {RUN_JSON})")
         meta = _read_run_json(meta_file)
         self.tda = saved_tda_config(meta_file, meta["tda"])
-        self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"))
+        self.store = GradientStore.open(Path(self.tda.store.path or self.dir / "tda" / "store"),
+                                        skip_damaged=skip_damaged)
         self._trajectory = Path(self.tda.trajectory.path or _deepspeed_trajectory(self.store.path))
         model_cfg = ModelConfig(**{**meta["model"], "init_device": "cpu"})
         if model_cfg.max_sequence_length != meta["seq_len"]:
@@ -292,6 +344,7 @@ class DeepSpeedRun(OLMoRun):
         self.checkpoint = weights
         self.tokenizer = self._tokenizer()
         self._dataset = None
+        self._corpus: Corpus | None = None
 
 
 def run_outputs(path: str | Path) -> tuple[Path, Path] | None:
@@ -355,8 +408,11 @@ def saved_tda_config(file: Path, data: Any = None) -> TDAConfig:
 _UNSHARDED = re.compile(r"^step(\d+)-unsharded$")
 
 
-def _short(text: str) -> str:
-    return repr(text if len(text) <= 60 else text[:57] + "...")
+def _fingerprint(query: str | Query) -> Any:
+    """A query as TracIn-CP's resume key holds it: a text as before, a prompt → answer pair as a list."""
+    if isinstance(query, str) or query.completion is None:
+        return query if isinstance(query, str) else query.prompt
+    return [query.prompt, query.completion]
 
 
 def _one_line(error: Exception) -> str:
@@ -374,12 +430,14 @@ class _Prefixed(torch.nn.Module):
         return self.olmo(input_ids)
 
 
-def open_run(run_dir: str | Path) -> OLMoRun:
-    """An OLMo run (``olmo-tda train``) or a DeepSpeed example run, whichever ``run_dir`` holds."""
+def open_run(run_dir: str | Path, *, skip_damaged: bool = False) -> OLMoRun:
+    """An OLMo run (``olmo-tda train``) or a DeepSpeed example run, whichever ``run_dir`` holds;
+    ``skip_damaged``: answers leave out store shards whose checksums fail (see ``GradientStore.open``)."""
     from .deepspeed_pretrain import RUN_JSON
 
     run_dir = _demo_run(Path(run_dir))
-    return DeepSpeedRun(run_dir) if (run_dir / RUN_JSON).is_file() else OLMoRun(run_dir)
+    return (DeepSpeedRun(run_dir, skip_damaged=skip_damaged) if (run_dir / RUN_JSON).is_file()
+            else OLMoRun(run_dir, skip_damaged=skip_damaged))
 
 
 def _demo_run(path: Path) -> Path:

@@ -22,6 +22,8 @@ from typing import Any, Iterable, Protocol
 import numpy as np
 import torch
 
+from .grouping import ByExample, GroupBy, GroupScores, Grouping
+
 __all__ = ["AttributionMethod", "AttributionResult", "register_method", "get_method", "available_methods",
            "attribute"]
 
@@ -73,6 +75,10 @@ class AttributionResult:
     all_ids: np.ndarray | None = None        # [N]
     all_steps: np.ndarray | None = None      # [N]
     info: dict[str, Any] = field(default_factory=dict)
+    group_by: str = "row"
+    """What ``ids`` name: ``row`` (example ids with their ``steps``), ``example`` (instance ids, ``steps``
+    -1: summed over steps), ``document`` (document ids) or ``source`` (source indices); see
+    :mod:`olmo_tda.methods.grouping`."""
 
     def as_dicts(self) -> list[list[dict[str, Any]]]:
         """Per query: ``[{"index", "step", "score"}, ...]`` (JSON-ready)."""
@@ -181,12 +187,27 @@ def projector_difference(specs: dict[str, dict[str, Any]] | None, meta: dict[str
     return generic
 
 
+def _grouping(group_by: "str | Grouping") -> "Grouping | None":
+    """None for rows; the grouping object otherwise (``"example"`` needs nothing but the store)."""
+    if not isinstance(group_by, str):
+        return group_by
+    try:
+        kind = GroupBy(group_by)
+    except ValueError:
+        raise ValueError(f"group_by must be one of {[g.value for g in GroupBy]} or a Grouping, got {group_by!r}") from None
+    if kind in (GroupBy.DOCUMENT, GroupBy.SOURCE):
+        raise ValueError(f"group_by={group_by!r} needs the training data: pass ByDocument(corpus) or "
+                         "BySource(corpus) (olmo_tda.methods.grouping; a run's OLMoRun builds them)")
+    return ByExample() if kind is GroupBy.EXAMPLE else None
+
+
 def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "graddot", top_k: int = 10,
               layers: Iterable[str] | None = None, block_size: int | None = None, return_scores: bool = False,
               projector_hash: str | None = None, projector_specs: dict[str, Any] | None = None,
-              **method_options: Any) -> AttributionResult:
-    """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query
-    (ties to the earlier row in store order; each (id, step) once: see the module docstring).
+              group_by: "str | Grouping" = "row", **method_options: Any) -> AttributionResult:
+    """Score every training row of ``store`` against ``queries`` and keep the top ``top_k`` per query:
+    rows (ties to the earlier row in store order; each (id, step) once: see the module docstring),
+    or the examples, documents or sources their scores add up to (``group_by``).
 
     Args:
         store: a store path or an open store (anything with ``layers`` and ``iter_blocks``).
@@ -203,9 +224,13 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
             its own); compared with the store's, since scores across different projectors are noise.
         projector_specs: the capture's ``projector_specs`` for plain-dict queries, so a mismatch names
             the layer and field that differ.
+        group_by: ``"row"``, ``"example"`` (each example's rows summed over its steps), or a
+            :class:`~olmo_tda.methods.grouping.Grouping` (``ByDocument(corpus)``, ``BySource(corpus)``);
+            memory O(Q·G) for G groups.
     """
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    grouping = _grouping(group_by)
     if isinstance(store, (str, Path)):
         from ..store import GradientStore
         store = GradientStore.open(store)
@@ -244,6 +269,7 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
     best_steps = np.zeros((num_q, 0), dtype=np.int64)
     kept_scores, kept_ids, kept_steps = [], [], []
     num_rows = 0
+    groups = GroupScores(grouping, num_q) if grouping is not None else None
     for block in store.iter_blocks(layers=chosen, block_size=block_size):
         scores = algo.score_block(state, block.grads).to(torch.float64)        # [Q, n]
         ids_n = np.asarray(block.ids, dtype=np.int64)
@@ -253,14 +279,21 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
             kept_scores.append(scores)
             kept_ids.append(ids_n)
             kept_steps.append(steps_n)
+        if groups is not None:
+            groups.add(scores, ids_n)
+            continue
         # the kept rows come before the block: all of them are earlier in store order
         merged = torch.cat([best_scores, scores], dim=1)
         merged_ids = np.concatenate([best_ids, np.broadcast_to(ids_n, (num_q, len(ids_n)))], axis=1)
         merged_steps = np.concatenate([best_steps, np.broadcast_to(steps_n, (num_q, len(steps_n)))], axis=1)
         best_scores, best_ids, best_steps = _top_unique(merged, merged_ids, merged_steps, top_k)
 
+    if groups is not None:
+        best_scores, best_ids = groups.top(top_k)
+        best_steps = np.full_like(best_ids, -1)
     result = AttributionResult(method=algo.name, layers=chosen, scores=best_scores, ids=best_ids,
-                               steps=best_steps, num_scored=num_rows, info=getattr(algo, "info", {}))
+                               steps=best_steps, num_scored=num_rows, info=getattr(algo, "info", {}),
+                               group_by=grouping.group_by.value if grouping is not None else "row")
     if return_scores:
         result.all_scores = torch.cat(kept_scores, dim=1) if kept_scores else torch.zeros(num_q, 0)
         result.all_ids = np.concatenate(kept_ids) if kept_ids else np.zeros(0, np.int64)

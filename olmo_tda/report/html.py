@@ -139,8 +139,8 @@ def write_run_report(run_dir: Path, path: Path | None = None) -> Path:
 
 def write_attribution_report(path: Path, *, title: str, summary: dict[str, Any],
                              queries: list[dict[str, Any]], images: Sequence[Path] = ()) -> Path:
-    """Write ``path`` (HTML). ``queries``: ``[{"query": str, "kind": str, "results": [{"index", "step",
-    "score", "text", "hit"?}]}]``."""
+    """Write ``path`` (HTML). ``queries``: ``[{"query": str, "kind": str, "results": [{"index", "score",
+    "text"?, "step"?, "name"?, "source"?, "hit"?}]}]``."""
     esc = html.escape
     rows = "".join(f"<tr><th>{esc(str(k))}</th><td>{esc(str(v))}</td></tr>" for k, v in summary.items())
     parts = [f"<!doctype html><meta charset='utf-8'><title>{esc(title)}</title>",
@@ -153,10 +153,15 @@ def write_attribution_report(path: Path, *, title: str, summary: dict[str, Any],
         parts.append(f"<img src='{esc(Path(image).name)}' style='max-width:100%'>")
     for q in queries:
         parts.append(f"<h3>{esc(q.get('kind', 'query'))}</h3><div class='q'><code>{esc(q['query'])}</code></div>")
-        parts.append("<table><tr><th>#</th><th>index</th><th>step</th><th>score</th><th>training passage</th></tr>")
-        for rank, r in enumerate(q["results"], 1):
+        results = q["results"]
+        # rows name a step, documents a name, every entry of a run's answer its source
+        cols = [c for c in ("step", "name", "source", "instances") if any(c in r for r in results)]
+        parts.append("<table><tr><th>#</th><th>index</th>" + "".join(f"<th>{c}</th>" for c in cols)
+                     + "<th>score</th><th>training text</th></tr>")
+        for rank, r in enumerate(results, 1):
             cls = " class='hit'" if r.get("hit") else ""
-            parts.append(f"<tr{cls}><td>{rank}</td><td>{r['index']}</td><td>{r['step']}</td>"
+            extra = "".join(f"<td>{esc(str(r.get(c, '')))}</td>" for c in cols)
+            parts.append(f"<tr{cls}><td>{rank}</td><td>{r['index']}</td>{extra}"
                          f"<td>{r['score']:.4g}</td><td><code>{esc(r.get('text', ''))}</code></td></tr>")
         parts.append("</table>")
     Path(path).write_text("".join(parts), encoding="utf-8", errors="replace")   # as the page declares

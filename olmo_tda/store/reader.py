@@ -24,8 +24,14 @@ uncompressed store) are read straight from the file at their byte offsets (:clas
 h5py's per-call overhead made a small shard cost more to open and read than to score. Each dataset is
 checked when it is first opened: its rows against the index (a writer's ``truncate_after`` rewrites a
 shard under its name: :class:`StoreError`, call :meth:`GradientStore.refresh`), a gradient dataset's
-row shape and dtype against ``store.json`` (:class:`StoreCorruptError`). The datasets' checksums are
-not checked on these reads; :meth:`GradientStore.verify` reads everything and checks them.
+row shape and dtype against ``store.json`` (:class:`StoreCorruptError`).
+
+Every read checks checksums: before a shard's rows are handed out, each dataset the read needs (the
+key columns and the selected layers) is read whole once and compared with the CRC-32 its writer
+stored, at most once per dataset per opened store (an influence fit's several passes pay once). A
+damaged shard is refused (:class:`StoreCorruptError` naming the shard and the layer), or, for a store
+opened with ``skip_damaged=True``, left out whole and counted in :attr:`GradientStore.skipped`: a
+damaged row is never scored. :meth:`GradientStore.verify` checks every dataset of every shard.
 """
 
 from __future__ import annotations
@@ -91,12 +97,18 @@ class GradientStore:
             scores = torch.einsum("noi,oi->n", block.grads["blocks.0.att_proj"], query_grad)
     """
 
-    def __init__(self, root: Path, meta: dict[str, Any], states: dict[int, RankState]):
+    def __init__(self, root: Path, meta: dict[str, Any], states: dict[int, RankState], *,
+                 skip_damaged: bool = False):
         """Use :meth:`open`."""
         self.path = root
         self.meta = meta
         self._states = states
         self._key_summary: tuple[int, np.ndarray] | None = None
+        self.skip_damaged = skip_damaged
+        self.skipped: dict[str, dict[str, Any]] = {}
+        """Shards left out of reads because a checksum failed (``skip_damaged=True``): file ->
+        ``{"rows", "dataset", "layer", "problem"}``."""
+        self._summed: dict[tuple[str, int, str], str | None] = {}     # (file, bytes, dataset) -> problem
 
     @functools.cached_property
     def _datasets(self) -> tuple[dict[str, tuple[str, tuple[int, ...]]], np.dtype]:
@@ -107,15 +119,17 @@ class GradientStore:
     # -- constructors -----------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, repair: bool = False) -> "GradientStore":
+    def open(cls, path: str | os.PathLike, *, repair: bool = False, skip_damaged: bool = False) -> "GradientStore":
         """Open an existing store read-only.
 
         ``repair=True`` moves unreadable shards to ``quarantine/`` (their rows are lost) and drops
         missing ones from the index instead of raising :class:`StoreCorruptError`.
+        ``skip_damaged=True``: reads leave out a shard whose checksums fail (logged, and listed in
+        :attr:`skipped`) instead of raising :class:`StoreCorruptError` naming it.
         """
         root = Path(path)
         meta = load_store_json(root)
-        return cls(root, meta, cls._scan(root, meta, repair))
+        return cls(root, meta, cls._scan(root, meta, repair), skip_damaged=skip_damaged)
 
     @staticmethod
     def create(path: str | os.PathLike, meta: dict[str, Any], config: StoreConfig, rank: int = 0,
@@ -264,6 +278,42 @@ class GradientStore:
         return {"shards": len(shards), "datasets": datasets, "bytes_read": nbytes, "damaged": damaged,
                 "unchecked": unchecked, "changed": changed}
 
+    def _sums_match(self, info: ShardInfo, shard: "_ShardReader", names: list[str]) -> bool:
+        """Whether datasets ``names`` of the open ``shard`` match their stored CRC-32 (each read whole
+        once per opened store). A mismatch raises :class:`StoreCorruptError` naming the shard and
+        layer, or with :attr:`skip_damaged` returns False (the caller leaves the shard out) and is
+        listed in :attr:`skipped`. Shards written before checksums were kept pass unchecked."""
+        for name in names:
+            key = (info.file, info.bytes, name)
+            if key not in self._summed:
+                try:
+                    want = shard.attr(name, CRC_ATTR)
+                    got = None if want is None else dataset_crc32(shard.blocks(name, BLOCK_BYTES))
+                    self._summed[key] = (None if want is None or got == int(want) else
+                                         f"checksum {got:#010x} != stored {int(want):#010x}")
+                except StoreCorruptError as e:          # e.g. a compressed chunk that no longer inflates
+                    if not self.skip_damaged:
+                        raise
+                    self._summed[key] = f"unreadable: {e}"
+            problem = self._summed[key]
+            if problem is None:
+                continue
+            layer = self.layers[int(name[len("grads/L"):])] if name.startswith("grads/L") else None
+            what = f"layer {layer!r} ({name})" if layer else f"dataset {name}"
+            if not self.skip_damaged:
+                raise StoreCorruptError(
+                    f"gradient store shard {self.path / info.file}: {what} is damaged ({problem}: its bytes "
+                    f"changed after it was written); refusing to score its {info.num_rows} rows. `olmo-tda "
+                    "inspect --verify` lists every damaged shard; restore it from a copy, or read without it "
+                    "(GradientStore.open(..., skip_damaged=True), `olmo-tda attribute --skip-damaged`)")
+            if info.file not in self.skipped:
+                log.warning("gradient store shard %s: %s is damaged (%s): its %d rows are left out",
+                            self.path / info.file, what, problem, info.num_rows)
+                self.skipped[info.file] = {"rows": info.num_rows, "dataset": name, "layer": layer,
+                                           "problem": problem}
+            return False
+        return True
+
     def _keys(self) -> tuple[int, np.ndarray]:
         if self._key_summary is None:
             ids, steps = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
@@ -308,8 +358,11 @@ class GradientStore:
         n_pending = 0
         visit = [info for info in self.shards
                  if step_set is None or _range_hits(step_set, info.step_min, info.step_max)]
+        needed = [*_KEY_COLUMNS, *(f"grads/L{i:04d}" for _, i in indices)]
         for info, shard in self._opened(visit, [i for _, i in indices], readahead and id_set is None):
             with shard:
+                if not self._sums_match(info, shard, needed):
+                    continue
                 shard_steps = shard.read("steps")     # checked to hold the index's info.num_rows rows
                 shard_ids = shard.read("ids")
                 mask = np.ones(len(shard_steps), dtype=bool)
@@ -423,6 +476,8 @@ class GradientStore:
                                     "truncated the store meanwhile call refresh(), else open with "
                                     "repair=True") from e
 
+
+_KEY_COLUMNS = ("ids", "steps", "lr", "loss_scale")
 
 BLOCK_BYTES = 64 << 20
 """Decoded (float32) bytes of the selected layers per block when ``block_size`` is None: 1024 rows
