@@ -11,7 +11,11 @@ per shard; then, warm (page cache filled), in interleaved rounds, medians:
 - ``reader``: ``GradientStore.iter_blocks()`` (the library; every layer decoded to float32 factors);
 - ``h5py``: the same bytes through h5py's high-level API, shard by shard (ids, steps, lr,
   loss_scale, each layer's rows, decoded the same way): what one writes without our reader;
-- ``query``: ``attribute(..., method="graddot")`` of 16 dense queries, top-100 (reading and scoring).
+- ``query``: ``attribute(..., method="graddot")`` of 16 dense queries, top-100 (reading and scoring),
+  on an opened store whose checksums were checked in an earlier pass (each dataset is checked once
+  per opened store);
+- ``checked``: the same query on a store opened afresh, so every dataset's CRC-32 is checked again
+  (reads check them before a row is scored); ``checked − query − open`` is what the checks cost.
 
 The headline is the cost per shard, ``(small-shard time − large-shard time) / (extra shards)``, of
 the reader and of plain h5py, and how much slower the query is on small shards.
@@ -112,7 +116,10 @@ def main(argv=None) -> dict:
         queries = {n: torch.randn(args.queries, K, K, generator=gen) for n in LAYERS}
         arms = {"reader": read_reader, "h5py": read_h5py,
                 "query": lambda s: len(attribute(s, queries, method="graddot", top_k=100,
-                                                 projector_hash=PROJECTOR_HASH).ids)}
+                                                 projector_hash=PROJECTOR_HASH).ids),
+                "checked": lambda s: len(attribute(GradientStore.open(s.path), queries, method="graddot", top_k=100,
+                                                   projector_hash=PROJECTOR_HASH).ids),
+                "open": lambda s: len(GradientStore.open(s.path).shards)}
         for store in stores.values():                      # warm: fill the page cache, check the rows
             assert read_reader(store) == read_h5py(store) == args.n
         times = {(s, a): [] for s in stores for a in arms}
@@ -132,10 +139,12 @@ def main(argv=None) -> dict:
 
     print(f"store_read: N={args.n} rows of 4 Linears at k={K}, rank {RANK}, bf16; warm; "
           f"{args.rounds} interleaved rounds, medians; threads={torch.get_num_threads()}")
-    print(f"{'layout':>8} {'rows x recs':>11} {'shards':>7} {'reader s':>9} {'h5py s':>8} {'query s':>8}")
+    print(f"{'layout':>8} {'rows x recs':>11} {'shards':>7} {'reader s':>9} {'h5py s':>8} {'query s':>8} "
+          f"{'checked s':>9} {'open s':>7} {'checks':>7}")
+    checks = {s: (med[(s, "checked")] - med[(s, "query")] - med[(s, "open")]) / med[(s, "query")] for s in layouts}
     for s, (rows, flush) in layouts.items():
         print(f"{s:>8} {f'{rows}x{flush}':>11} {shards[s]:>7} {med[(s, 'reader')]:>9.3f} {med[(s, 'h5py')]:>8.3f} "
-              f"{med[(s, 'query')]:>8.3f}")
+              f"{med[(s, 'query')]:>8.3f} {med[(s, 'checked')]:>9.3f} {med[(s, 'open')]:>7.3f} {checks[s]:>+7.1%}")
     print(f"per extra shard: reader {per_shard_ms['reader']:.2f} ms, plain h5py {per_shard_ms['h5py']:.2f} ms, "
           f"query {per_shard_ms['query']:.2f} ms; the query on small shards takes "
           f"{med[('small', 'query')] / med[('large', 'query')]:.2f}x its time on large ones")
@@ -145,6 +154,7 @@ def main(argv=None) -> dict:
               "per_shard_ms": {a: round(v, 3) for a, v in per_shard_ms.items()},
               "reader_vs_h5py_per_shard": round(per_shard_ms["h5py"] / max(per_shard_ms["reader"], 1e-9), 3),
               "query_small_over_large": round(med[("small", "query")] / med[("large", "query")], 3),
+              "checksum_cost_frac": {s: round(v, 3) for s, v in checks.items()},
               "total_s": round(time.perf_counter() - t_start, 1),
               "torch": torch.__version__, "python": platform.python_version()}
     print(json.dumps(result))

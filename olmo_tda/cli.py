@@ -97,9 +97,8 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     if args.damping is not None and args.damping_ratio is not None:
         raise ValueError("--damping (one λ for every layer) and --damping-ratio (λ relative to each layer's "
                          "Fisher) exclude each other: give one")
-    if args.rank is not None and args.hessian not in ("lorif", "joint"):
-        raise ValueError(f"--rank is the rank of --hessian lorif or joint, not of "
-                         f"{args.hessian or 'ekfac (the default)'}")
+    if args.rank is not None and args.hessian not in (None, "lorif", "joint"):
+        raise ValueError(f"--rank is the rank of --hessian lorif or joint (the default), not of {args.hessian}")
     for flag, key, value, default in (("--route", "route", args.route, "auto"),
                                       ("--query-rank", "query_rank", args.query_rank, 0)):
         if value != default:
@@ -118,8 +117,10 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
     if args.method == "influence":
         info = run.last_info
         damping = info["damping"]
-        print(f"influence: hessian {info['hessian']}{', rank ' + str(info['rank']) if 'rank' in info else ''}, "
-              f"damping λ per layer {settings['damping']} over {info['num_rows']} rows")
+        rank = info.get("rank")
+        print(f"influence: hessian {info['hessian']}{', rank ' + str(rank) if rank else ''}, damping λ "
+              f"{'(one, all layers)' if info['hessian'] == 'joint' else 'per layer'} {settings['damping']} over "
+              f"{info['num_rows']} rows")
         for answer in answers:
             answer["damping"] = damping
     if "skipped_rows" in settings:
@@ -282,13 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("run", help="run directory of olmo-tda train (or the demo's output folder)")
     attr.add_argument("--ids", help="TracIn-CP: only these training instances (\"3,5,9\" or @file); default all")
     attr.add_argument("--hessian", choices=["raw", "lorif", "ekfac", "joint"],
-                      help="influence: EK-FAC (default), explicit D×D Fisher per layer, rank-r Woodbury, or one "
-                           "Fisher over all layers together (joint: explicit for small stores, rank-r with --rank)")
-    attr.add_argument("--damping", type=float, help="influence: λ for every layer (default 0.1·tr(F)/D per layer)")
+                      help="influence: one Fisher over all layers together (joint, the default: finds the "
+                           "document that taught a fact best; explicit up to 16384 floats a row, else rank "
+                           "1024), EK-FAC per layer (predicts retraining best), explicit D×D per layer, or "
+                           "rank-r Woodbury per layer")
+    attr.add_argument("--damping", type=float, help="influence: λ for every layer (default: --damping-ratio)")
     attr.add_argument("--damping-ratio", type=float,
-                      help="influence: λ = RATIO·tr(F)/D per layer, its mean Fisher eigenvalue (default 0.1)")
+                      help="influence: λ = RATIO·tr(F)/D, the Fisher's mean eigenvalue times RATIO (default "
+                           "0.01 for joint, 0.1 per layer)")
     attr.add_argument("--rank", type=int, help="influence lorif: rank r of each layer's Fisher (default 64); "
-                                                  "joint: rank r of the whole-model Fisher (default: explicit)")
+                                                  "joint: rank r of the whole-model Fisher (default: explicit "
+                                                  "up to 16384 floats a row, else 1024)")
     attr.add_argument("--route", choices=["auto", "model", "factorized", "materialized"], default="auto",
                       help="inner products with LoRIF factor stores: by cost, timed at near-ties (auto), by "
                            "the cost model alone (model), or forced")
@@ -310,9 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave out store shards whose checksums fail (counted in the output) instead of "
                            "refusing to answer")
     from .methods import available_methods
-    attr.add_argument("--method", default="gradcos", choices=[*available_methods(), "tracin", "tracin-inrun"],
-                      help="tracin: TracIn-CP over the run's trajectory checkpoints; tracin-inrun: the captured "
-                           "gradients weighted by lr/loss_scale, queries at the nearest checkpoint")
+    attr.add_argument("--method", default="influence", choices=[*available_methods(), "tracin", "tracin-inrun"],
+                      help="influence (default): the damped whole-model Fisher inverse (see --hessian); "
+                           "gradcos/graddot: gradient similarity; tracin: TracIn-CP over the run's trajectory "
+                           "checkpoints; tracin-inrun: the captured gradients weighted by lr/loss_scale, queries "
+                           "at the nearest checkpoint")
     attr.add_argument("--top-k", type=int, default=10)
     attr.add_argument("--json", help="write the answers as JSON to this file (stdout then holds a summary)")
     attr.set_defaults(func=_cmd_attribute)

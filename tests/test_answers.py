@@ -155,7 +155,7 @@ def test_query_files_and_refusals(tmp_path):
 def test_prepare_train_attribute_by_source_round_trip(tmp_path, capsys):
     """Three files of the user's own (text, JSONL, Markdown) → ``olmo-tda prepare`` → ``olmo-tda train``
     → ``attribute --group-by source|document``: a query copied from one file's document names that
-    file first, and lists that file's documents by their JSONL ids with their text."""
+    file first; documents are listed by their JSONL ids (else ``<file>:<n>``) with their own text."""
     from olmo_tda.cli import main
 
     rng = np.random.default_rng(1)
@@ -186,6 +186,33 @@ def test_prepare_train_attribute_by_source_round_trip(tmp_path, capsys):
     assert all(r["instances"] > 0 for r in answer["results"])
     assert main(["attribute", str(run), "--query", fact, "--group-by", "document", "--top-k", "3",
                  "--json", str(tmp_path / "d.json")]) == 0
-    facts = {json.loads(line)["id"]: json.loads(line)["text"] for line in (tmp_path / "facts.jsonl").open()}
+    texts = {name or f"{Path(f).stem}:{j}": text for f in ("notes.txt", "facts.jsonl", "code.md")
+             for j, (name, text) in enumerate(read_documents(tmp_path / f))}
     top = json.loads((tmp_path / "d.json").read_text())[0]["results"]
-    assert len(top) == 3 and all(r["source"] == "facts" and r["text"] == facts[r["name"]] for r in top), top
+    assert len(top) == 3 and all(r["text"] == texts[r["name"]] for r in top), top
+    assert all(r["source"] == r["name"].split(":")[0] if ":" in r["name"] else r["source"] == "facts" for r in top)
+
+
+def test_copies_under_one_name_are_one_document(tmp_path):
+    """A document written twice under one id (here once in each of two files) is one document: its
+    copies' shares add up (oracle: the per-token brute force, copies mapped to their name)."""
+    docs = [{"id": "x", "text": "abcdefghij"}, {"id": "y", "text": "kl"}, {"id": "x", "text": "abcdefghij"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs[:2]))
+    (tmp_path / "b.jsonl").write_text(json.dumps(docs[2]) + "\n" + json.dumps({"id": "z", "text": "mnopq"}) + "\n")
+    paths = prepare([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "data", encode=TOK.encode,
+                    eos_token_id=TOK.eos_token_id)
+    corpus = Corpus(paths, seq_len=4, eos_token_id=TOK.eos_token_id, decode=TOK.decode)
+    assert corpus.num_documents == 3
+    assert [corpus.document_name(d) for d in range(3)] == ["x", "y", "z"]
+    ids = np.arange(corpus.num_instances)
+    rows, keys, tokens = corpus.documents_of(ids)
+    names = {"a": ["x"] * 11 + ["y"] * 3, "b": ["x"] * 11 + ["z"] * 6}     # token -> name, file by file
+    want = {}
+    for i in ids:
+        f, local = ("a", i) if i < 3 else ("b", i - 3)
+        for name in names[f][local * 4:(local + 1) * 4]:
+            want[(int(i), name)] = want.get((int(i), name), 0) + 1
+    got = {}
+    for r, k, t in zip(rows, keys, tokens):
+        got[(int(ids[r]), corpus.document_name(int(k)))] = got.get((int(ids[r]), corpus.document_name(int(k))), 0) + t
+    assert got == want

@@ -315,3 +315,17 @@ def test_gpu_overhead_script_dry_run(tmp_path):
     assert json.loads(table.strip().splitlines()[-1])["ratio_k16-cap"] > 0
     profile = (tmp_path / "profile.txt").read_text()
     assert "profile of one block of plain" in profile and "profile of one block of k16-cap" in profile
+
+
+def test_fact_tracing_runs(tmp_path):
+    """Toy size: the corpus, prepare, train, knowledge check, BM25, the methods and the variants; the
+    last line carries the headline keys --quick prints."""
+    res = _last_json("fact_tracing.py", "--people", "3", "--background", "4", "--epochs", "2", "--d-model", "32",
+                     "--n-layers", "1", "--seq-len", "64", "--batch", "8", "--proj-dim", "4",
+                     "--methods", "influence,gradcos,tracin-inrun", "--out", str(tmp_path / "ft"))
+    for key in ("default_method", "mrr", "bm25_mrr", "bm25_recall1", "recall10", "mrr_question", "known",
+                "bm25_recall1_all"):
+        assert key in res, key
+    assert res["default_method"] == "influence joint" and res["queries"] == 9
+    assert set(res["methods"]) == {"bm25", "influence joint", "gradcos", "tracin-inrun"}
+    assert 0 <= res["methods"]["bm25"]["all"]["recall1"] <= 1 and "adam-cos (÷√v, unit norm)" in res["variants"]

@@ -49,7 +49,8 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     capsys.readouterr()
     assert main(["attribute", str(out), "--query-file", str(qfile), "--group-by", "row", "--top-k", "3",
                  "--json", str(tmp_path / "rows.json")]) == 0
-    assert capsys.readouterr().out.count("\n") == 1
+    out_lines = capsys.readouterr().out.splitlines()      # the method's settings line and the summary
+    assert len(out_lines) == 2 and out_lines[0].startswith("influence: hessian joint") and out_lines[1].startswith("wrote")
     rows = json.loads((tmp_path / "rows.json").read_text())[0]["results"]
     assert set(rows[0]) == {"index", "step", "source", "score", "text"} and rows[0]["index"] == passage["index"]
 
@@ -90,20 +91,20 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     assert settings["damping"] == f"{min(damping.values()):.3g}..{max(damping.values()):.3g}"
     page = (tmp_path / "infl.html").read_text(encoding="utf-8")
     assert f"<tr><th>damping</th><td>{settings['damping']}</td></tr>" in page and "<td>lorif</td>" in page
-    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence",     # EK-FAC, the default
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "ekfac",
                  "--json", str(tmp_path / "ekfac.json")]) == 0
     assert capsys.readouterr().out.startswith("influence: hessian ekfac, damping λ per layer")
     assert json.loads((tmp_path / "ekfac.json").read_text())[0]["results"][0]["index"] == passage["index"]
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "joint",
                  "--json", str(tmp_path / "joint.json")]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("influence: hessian joint, damping λ per layer ")
-    lam = text.split("per layer ")[1].split(" over")[0]
+    assert text.startswith("influence: hessian joint, damping λ (one, all layers) ")
+    lam = text.split("all layers) ")[1].split(" over")[0]
     assert ".." not in lam and float(lam) > 0                           # one λ for the whole model
     assert json.loads((tmp_path / "joint.json").read_text())[0]["results"][0]["index"] == passage["index"]
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "joint",
                  "--rank", "32", "--json", str(tmp_path / "joint32.json")]) == 0
-    assert capsys.readouterr().out.startswith("influence: hessian joint, rank 32, damping λ per layer ")
+    assert capsys.readouterr().out.startswith("influence: hessian joint, rank 32, damping λ (one, all layers) ")
     assert json.loads((tmp_path / "joint32.json").read_text())[0]["results"][0]["index"] == passage["index"]
     # rank-2 queries (the CLI's --query-rank): the API's scores with query_rank=2, not the exact ones
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "graddot", "--top-k", "5",
@@ -120,15 +121,16 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     assert not np.allclose([r["score"] for r in got], [r["score"] for r in exact], rtol=1e-3)
     assert main(["attribute", str(out), "--query", "x y", "--method", "tracin", "--query-rank", "2"]) == 2
     assert "--query-rank applies to graddot, gradcos and influence" in capsys.readouterr().err
-    assert main(["attribute", str(out), "--query", "x y", "--method", "influence", "--rank", "16"]) == 2
-    assert "--rank is the rank of --hessian lorif or joint, not of ekfac (the default)" in capsys.readouterr().err
+    assert main(["attribute", str(out), "--query", "x y", "--method", "influence", "--hessian", "ekfac",
+                 "--rank", "16"]) == 2
+    assert "--rank is the rank of --hessian lorif or joint (the default), not of ekfac" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "gradcos", "--damping", "1"]) == 2
     assert "apply to --method influence" in capsys.readouterr().err
     assert main(["attribute", str(out), "--query", "x y", "--method", "influence", "--damping", "1",
                  "--damping-ratio", "1"]) == 2
     assert "exclude each other" in capsys.readouterr().err
     # --damping-ratio 1.0: each layer's λ is 10x the default ratio 0.1's (the lines above printed those)
-    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence",
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "influence", "--hessian", "ekfac",
                  "--damping-ratio", "1.0", "--json", str(tmp_path / "ratio1.json")]) == 0
     capsys.readouterr()
     ratio1 = json.loads((tmp_path / "ratio1.json").read_text())[0]["damping"]

@@ -191,7 +191,7 @@ def test_ekfac_influence_on_a_tiny_olmo_equals_the_explicit_ekfac_matrix(olmo_gr
           f"Spearman {_spearman(scores, exact):.4f}")
     assert res.info["hessian"] == "ekfac" and rel_err(scores, want) < 1e-6
     for ratio in (1e-2, 1.0, 1e2):                       # and at other dampings, streamed in blocks of 10 rows
-        res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", damping_ratio=ratio,
+        res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="ekfac", damping_ratio=ratio,
                         top_k=1, return_scores=True, block_size=10)
         scores = res.all_scores[:, np.argsort(res.all_ids)]
         want = sum(olmo_grads["query"][n].reshape(4, -1).double() @ _explicit_ekfac(olmo_grads["train"][n], ratio)[0]
@@ -212,7 +212,7 @@ def test_joint_influence_equals_the_explicit_whole_model_inverse_on_a_tiny_olmo(
         f.unlink()
     for options in ({}, {"block_size": 10}):
         res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", top_k=5,
-                        return_scores=True, projector_hash=None, **options)
+                        damping_ratio=0.1, return_scores=True, projector_hash=None, **options)
         scores = res.all_scores[:, np.argsort(res.all_ids)]
         assert rel_err(scores, want) < 1e-6 and res.info["hessian"] == "joint"
         assert set(res.info["damping"]) == set(layers) and all(v == pytest.approx(lam) for v in
@@ -234,8 +234,14 @@ def test_joint_influence_equals_the_explicit_whole_model_inverse_on_a_tiny_olmo(
     import olmo_tda.methods.influence as influence_module
 
     monkeypatch.setattr(influence_module, "JOINT_MAX_DIM", g.shape[1] - 1)
-    with pytest.raises(ValueError, match=rf"{g.shape[1]}×{g.shape[1]} Fisher over all {len(layers)} layers"):
-        attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", damping=1.0)
+    monkeypatch.setattr(influence_module, "JOINT_AUTO_RANK", 56)        # covers rank(F) = 48: exact again
+    wide = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", damping=3.0, top_k=1,
+                     return_scores=True)
+    assert wide.info["hessian"] == "joint" and wide.info["rank"] == 56       # too wide to be explicit: top-r
+    assert rel_err(wide.all_scores[:, np.argsort(wide.all_ids)], q @ inv3 @ g.T) < 1e-6
+    # the defaults: joint with λ = 0.01·tr(F)/D (measured on fact tracing); 0.1 per layer
+    assert get_method("influence").hessian == "joint" and get_method("influence").damping_ratio == 0.01
+    assert get_method("influence", hessian="ekfac").damping_ratio == 0.1
 
 
 def test_lowrank_joint_influence_is_woodbury_on_the_top_eigenpairs_of_the_whole_model_fisher(olmo_grads, monkeypatch):
@@ -257,7 +263,7 @@ def test_lowrank_joint_influence_is_woodbury_on_the_top_eigenpairs_of_the_whole_
     for f in (olmo_grads["store"].path / "cache").glob("*"):
         f.unlink()
     explicit = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", top_k=1,
-                         return_scores=True)
+                         damping_ratio=0.1, return_scores=True)
     scores = {}
     # F's top eigenvalues are close together here (in units of λ: 1702, 1600, 1532 ... 1008 at #16), so subspace
     # iteration converges slowly below rank(F): at r=16, 3 iterations are 40% off the truncation, 20
@@ -266,7 +272,7 @@ def test_lowrank_joint_influence_is_woodbury_on_the_top_eigenpairs_of_the_whole_
         for f in (olmo_grads["store"].path / "cache").glob("*"):      # block_size is not in the cache key
             f.unlink()
         res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", rank=rank,
-                        top_k=1, return_scores=True, projector_hash=None, **options)
+                        damping_ratio=0.1, top_k=1, return_scores=True, projector_hash=None, **options)
         scores[rank] = res.all_scores[:, np.argsort(res.all_ids)]
         assert res.info["rank"] == rank and "cached" not in res.info
         assert all(v == pytest.approx(lam) for v in res.info["damping"].values())
@@ -275,7 +281,7 @@ def test_lowrank_joint_influence_is_woodbury_on_the_top_eigenpairs_of_the_whole_
     assert rel_err(scores[56], explicit.all_scores[:, np.argsort(explicit.all_ids)]) < 1e-6
     assert rel_err(scores[4], scores[56]) > rel_err(scores[16], scores[56]) > 1     # truncation shows
     for _ in range(2):                    # the second reads the cache the first wrote
-        again = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", rank=56,
+        again = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", rank=56, damping_ratio=0.1,
                           top_k=1, return_scores=True)
     assert again.info["cached"] and again.info["rank"] == 56
     assert rel_err(again.all_scores[:, np.argsort(again.all_ids)], scores[56]) < 1e-9
@@ -284,8 +290,6 @@ def test_lowrank_joint_influence_is_woodbury_on_the_top_eigenpairs_of_the_whole_
     import olmo_tda.methods.influence as influence_module
 
     monkeypatch.setattr(influence_module, "JOINT_MAX_DIM", g.shape[1] - 1)
-    with pytest.raises(ValueError, match=r"Pass rank=r \(--rank\)"):
-        attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", damping=1.0)
     res = attribute(olmo_grads["store"], olmo_grads["queries"], method="influence", hessian="joint", rank=56,
                     damping=1.0, top_k=1, return_scores=True)
     inv1, _ = _explicit(g, damping=1.0)
@@ -324,7 +328,7 @@ def test_influence_bad_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="damping_ratio must be finite and > 0"):
         get_method("influence", damping_ratio=float("inf"))
     with pytest.raises(ValueError, match="rank is the rank of hessian='lorif' or 'joint', not of hessian='ekfac'"):
-        get_method("influence", rank=16)
+        get_method("influence", hessian="ekfac", rank=16)
     with pytest.raises(ValueError, match="not of hessian='raw'"):
         get_method("influence", hessian="raw", rank=64)
     with pytest.raises(ValueError, match="rank must be >= 1"):
@@ -338,7 +342,7 @@ def test_influence_bad_options_are_refused(tmp_path):
         for damping in (None, 1.0):        # an explicit λ does not make all-zero rows informative
             with pytest.raises(ValueError, match="zero gradients|gradients are all zero"):
                 attribute(store, {"fc": torch.ones(1, 2, 2)}, method="influence", hessian=hessian, damping=damping)
-    assert get_method("influence").hessian == "ekfac"
+    assert get_method("influence").hessian == "joint"
 
 
 @pytest.mark.parametrize("hessian", ["raw", "lorif", "ekfac"])

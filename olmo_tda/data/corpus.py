@@ -9,7 +9,9 @@ end); an instance may hold several documents, and a long document spans several 
 
 Where ``olmo-tda prepare`` wrote the file, a ``<file>.docs.npz`` beside it holds each document's
 first token and its name (a JSONL ``"id"``, else ``<source>:<n>``); other files are split at their
-end-of-text tokens, read once and kept in memory (8 bytes per document).
+end-of-text tokens, read once and kept in memory (8 bytes per document). Copies of a document under
+one name (the same JSONL ``"id"`` written twice, in one file or several) are one document: answers
+add up their copies' scores and name it once.
 
 Example::
 
@@ -90,9 +92,25 @@ class Corpus:
             self.files.append(_File(path, self.sources.index(name), instance, num, doc, starts, doc_names))
             instance += num
             doc += len(starts)
-        self.num_instances, self.num_documents = instance, doc
+        self.num_instances = instance
         self._instance_starts = np.array([f.first_instance for f in self.files], dtype=np.int64)
         self._doc_starts = np.array([f.first_doc for f in self.files], dtype=np.int64)
+        # one document per name: copies under one name share a key; unnamed spans are their own
+        keys, first, seen = np.empty(doc, dtype=np.int64), [], {}
+        for f in self.files:
+            if f.names is None:
+                keys[f.first_doc:f.first_doc + len(f.starts)] = np.arange(len(first), len(first) + len(f.starts))
+                first.extend(range(f.first_doc, f.first_doc + len(f.starts)))
+                continue
+            for j, name in enumerate(f.names.tolist()):
+                key = seen.get(name)
+                if key is None:
+                    key = seen[name] = len(first)
+                    first.append(f.first_doc + j)
+                keys[f.first_doc + j] = key
+        self._key_of_span, self._first_span = keys, np.asarray(first, dtype=np.int64)
+        self.num_documents = len(first)
+        """Distinct documents (copies under one name counted once)."""
 
     def _documents(self, path: Path, tokens: int) -> tuple[np.ndarray, np.ndarray | None]:
         index = Path(str(path) + DOCS_SUFFIX)
@@ -127,7 +145,8 @@ class Corpus:
 
     def documents_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The documents each instance holds: ``(row [m], document [m], tokens [m])`` — instance
-        ``ids[row]`` holds ``tokens`` of its ``seq_len`` tokens from global document ``document``."""
+        ``ids[row]`` holds ``tokens`` of its ``seq_len`` tokens from document ``document`` (an instance
+        holding two copies of one document lists it twice)."""
         ids = np.asarray(ids, dtype=np.int64)
         rows, docs, counts = [], [], []
         files = self._file_of(ids)
@@ -144,7 +163,7 @@ class Corpus:
             ends = np.append(info.starts[1:], np.iinfo(np.int64).max)[doc]
             stop = np.minimum(ends, np.repeat(lo + self.seq_len, span))
             rows.append(row)
-            docs.append(doc + info.first_doc)
+            docs.append(self._key_of_span[doc + info.first_doc])
             counts.append(stop - start)
         if not rows:
             return (np.zeros(0, np.int64),) * 3
@@ -153,10 +172,12 @@ class Corpus:
     # -- documents: names, text -------------------------------------------------------------------
 
     def _doc_file(self, doc: int) -> tuple[_File, int]:
+        """The file and local index of document ``doc``'s first copy."""
         if not 0 <= doc < self.num_documents:
             raise ValueError(f"document {doc} is not in [0, {self.num_documents})")
-        f = self.files[int(np.searchsorted(self._doc_starts, doc, side="right") - 1)]
-        return f, doc - f.first_doc
+        span = int(self._first_span[doc])
+        f = self.files[int(np.searchsorted(self._doc_starts, span, side="right") - 1)]
+        return f, span - f.first_doc
 
     def document_name(self, doc: int) -> str:
         f, j = self._doc_file(doc)
@@ -166,7 +187,7 @@ class Corpus:
         return self.sources[self._doc_file(doc)[0].source]
 
     def document_tokens(self, doc: int) -> np.ndarray:
-        """Token ids of document ``doc`` (its end-of-text id included where it has one)."""
+        """Token ids of document ``doc``'s first copy (its end-of-text id included where it has one)."""
         f, j = self._doc_file(doc)
         tokens = f.path.stat().st_size // self.dtype.itemsize
         lo, hi = int(f.starts[j]), int(f.starts[j + 1]) if j + 1 < len(f.starts) else tokens

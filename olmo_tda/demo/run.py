@@ -107,7 +107,7 @@ def run_demo(out_dir: str | Path, cfg: DemoConfig | None = None, *, progress: bo
     rng = np.random.default_rng(cfg.seed)
     self_ids = sorted(rng.choice(len(passages), size=cfg.num_self_queries, replace=False).tolist())
     texts = [passages[i] for i in self_ids] + FREE_QUERIES
-    answers = run.attribute(texts, method="gradcos", top_k=cfg.top_k)
+    answers = run.attribute(texts, top_k=cfg.top_k)           # the default: influence, joint Fisher
     hits = 0
     for q, answer in enumerate(answers):
         target = self_ids[q] if q < len(self_ids) else None
@@ -131,7 +131,7 @@ def run_demo(out_dir: str | Path, cfg: DemoConfig | None = None, *, progress: bo
                           store_bytes=store.nbytes, report=out / "report.html", results=answers)
     write_attribution_report(summary.report, title="olmo_tda demo", images=[plot], queries=answers, summary={
         "examples captured": summary.examples_captured, "rows (example, step)": summary.rows_captured,
-        "steps": steps, "final loss (nats/token)": f"{summary.final_loss:.3f}", "method": "gradcos",
+        "steps": steps, "final loss (nats/token)": f"{summary.final_loss:.3f}", "method": "influence (joint Fisher)",
         "projection": f"{tda_cfg.capture.proj_type.value} k={cfg.proj_dim}",
         "store": f"{summary.store_bytes / 2**20:.1f} MiB ({tda_cfg.store.dtype.value})",
         "self-query top-1": f"{hits}/{len(self_ids)}", "wall": f"{wall:.0f} s", "run": str(out / "run")})

@@ -9,9 +9,10 @@ memmap training data to decode passages by their global index.
 Example::
 
     from olmo_tda.integrations.olmo_query import OLMoRun
+    from olmo_tda.methods.queries import Query
     run = OLMoRun("demo_out/run")
-    answers = run.attribute(["The for statement is used to iterate"], method="gradcos", top_k=5)
-    print(answers[0]["results"][0])        # {"index": ..., "step": ..., "score": ..., "text": ...}
+    answers = run.attribute([Query("The for statement is used to", " iterate")], top_k=5, group_by="document")
+    print(answers[0]["results"][0])        # {"index": ..., "name": ..., "score": ..., "source": ..., "text": ...}
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ class OLMoRun:
         finally:
             self.model.load_state_dict(original)
 
-    def attribute(self, queries: list[str | Query], *, method: str = "gradcos", top_k: int = 10,
+    def attribute(self, queries: list[str | Query], *, method: str = "influence", top_k: int = 10,
                   group_by: str = "example", progress: bool = False, ids: Any = None,
                   **method_options: Any) -> list[dict[str, Any]]:
         """``[{"query", "results": [...]}, ...]``, best first, per query (a text, or a prompt → answer

@@ -16,27 +16,32 @@ over the store's N rows, D_l = k_out·k_in the flattened width of layer l.
   ``F ≈ (U_S ⊗ U_A) diag(Λ) (U_S ⊗ U_A)ᵀ``: the part of F that is diagonal in that basis, with the
   same trace. ``(F+λI)⁻¹q = U_S [(U_Sᵀ q U_A) / (Λ + λ)] U_Aᵀ``. Two passes, memory
   O(k_out² + k_in² + D) per layer (k=64 per side: 96 KiB a layer, where raw holds 128 MiB). Exact
-  when F is diagonal in a Kronecker basis; otherwise an approximation of ``raw``. The default: it
-  predicts retraining best (``benchmarks/lds.py``), though it agrees less with the exact inverse.
+  when F is diagonal in a Kronecker basis; otherwise an approximation of ``raw``. It predicts
+  retraining best (``benchmarks/lds.py``), though it agrees less with the exact inverse.
 
 - ``hessian="joint"``: one explicit Fisher over every layer's stored coordinates together,
   ``F = (1/N) Σ_i ĝ_i ĝ_iᵀ`` with ``ĝ_i`` the concatenation of the example's layers (D = Σ_l D_l;
   TRAK's estimator, cross-layer blocks included), one λ = ``damping_ratio · tr(F)/D``, applied by
-  a Cholesky solve. Memory O(D²) for the whole model, so explicit joint is for small stores
-  (refused above D = 16384: 2 GiB); there it agrees with exact damped-Fisher influence better than
-  the per-layer ``raw`` on eigenbasis stores (``benchmarks/peers/influence_levers.py``), but it
-  predicts retraining worse than ``raw`` and far worse than ``ekfac`` (``benchmarks/lds.py``).
-  ``hessian="joint", rank=r`` keeps the cross-layer blocks at any width: the top-r eigenpairs of
-  the same whole-model F by ``lorif``'s streaming subspace iteration (memory O(D·r)), then
-  Woodbury with the one λ. Exact when r ≥ rank(F); below, the tail of F's spectrum counts as 0.
+  a Cholesky solve. **The default**, with ``damping_ratio`` 0.01: it finds the training document
+  that taught a fact far better than the per-layer Fishers (``benchmarks/fact_tracing.py``: the
+  cross-layer blocks whiten away the directions every example shares, early training's above all),
+  and agrees with exact damped-Fisher influence better than the per-layer ``raw`` on eigenbasis
+  stores (``benchmarks/peers/influence_levers.py``), but it predicts retraining worse than ``raw``
+  and far worse than ``ekfac`` (``benchmarks/lds.py``). Memory O(D²) for the whole model, so it is
+  explicit up to D = 16384 (2 GiB); ``rank=r`` (taken as 1024 above that width when not given) keeps
+  the cross-layer blocks at any width: the top-r eigenpairs of the same whole-model F by ``lorif``'s
+  streaming subspace iteration (memory O(D·r)), then Woodbury with the one λ. Exact when r ≥
+  rank(F); below, the tail of F's spectrum counts as 0.
 
-Damping ``λ_l`` defaults to ``damping_ratio · tr(F_l)/D_l`` (0.1: the usual LoGRA choice); a number
+Damping ``λ_l`` defaults to ``damping_ratio · tr(F_l)/D_l`` (0.1 per layer: the usual LoGRA choice;
+0.01 for ``joint``, measured); a number
 passed as ``damping`` is used for every layer. It dominates quality, so the values used are in
 ``result.info["damping"]``. Only the query side is preconditioned, once, then cached by ``prepare``.
 
 Example::
 
-    result = attribute(store, queries, method="influence")                          # EK-FAC
+    result = attribute(store, queries, method="influence")                          # joint Fisher
+    result = attribute(store, queries, method="influence", hessian="ekfac")         # EK-FAC
     result = attribute(store, queries, method="influence", hessian="lorif", rank=64)
     result = attribute(store, queries, method="influence", hessian="joint", rank=1024)  # any width
     result.info["damping"]        # {layer: λ_l}
@@ -191,6 +196,11 @@ def ekfac_apply(q: torch.Tensor, u_out: torch.Tensor, u_in: torch.Tensor, evals:
 
 
 HESSIANS = ("raw", "lorif", "ekfac", "joint")
+JOINT_AUTO_RANK = 1024
+"""The rank the default ``hessian="joint"`` takes above :data:`JOINT_MAX_DIM` when none is given."""
+JOINT_DAMPING_RATIO = 0.01
+"""The default ``damping_ratio`` of ``hessian="joint"``: λ = 0.01·tr(F)/D found the source of a fact best
+in ``benchmarks/fact_tracing.py`` (0.1, the per-layer default, ranked it lower)."""
 JOINT_MAX_DIM = 16384
 """The widest store explicit ``hessian="joint"`` accepts: its D×D float64 Fisher is 2 GiB there
 (``rank=r`` lifts the limit)."""
@@ -217,20 +227,24 @@ def _double(g: Any) -> Any:
 @register_method
 class Influence:
     """Damped Fisher-inverse influence; see the module docstring. ``fit(store, layers)`` runs first.
-    The default is ``ekfac`` (two Kronecker eigenbases and a k_out×k_in eigenvalue matrix a layer:
-    the best linear datamodeling score at every damping in ``benchmarks/lds.py``); ``lorif`` holds
-    O(D·r), ``raw`` a D×D matrix per layer (k=64: 128 MiB each), ``joint`` one D×D matrix over all
-    layers, or with ``rank`` O(D·r) over all layers."""
+    The default is ``joint`` with λ = 0.01·tr(F)/D (one D×D matrix over all layers; above
+    :data:`JOINT_MAX_DIM` its top :data:`JOINT_AUTO_RANK` eigenpairs): it finds the document that
+    taught a fact best (``benchmarks/fact_tracing.py``). ``ekfac`` (two Kronecker eigenbases and a
+    k_out×k_in eigenvalue matrix a layer) has the best linear datamodeling score at every damping in
+    ``benchmarks/lds.py``: the choice for predicting retraining. ``lorif`` holds O(D·r), ``raw`` a D×D
+    matrix per layer (k=64: 128 MiB each)."""
 
     name = "influence"
 
-    def __init__(self, *, hessian: str = "ekfac", damping: float | None = None, damping_ratio: float = 0.1,
+    def __init__(self, *, hessian: str = "joint", damping: float | None = None, damping_ratio: float | None = None,
                  rank: int | None = None, oversample: int = 8, iterations: int = 3, seed: int = 0,
                  route: str = "auto", query_rank: int = 0):
         if hessian not in HESSIANS:
             raise ValueError(f"influence: hessian must be 'raw', 'lorif', 'ekfac' or 'joint', got {hessian!r}")
         if damping is not None and not 0 < damping < float("inf"):
             raise ValueError(f"influence: damping must be finite and > 0, got {damping!r}")
+        if damping_ratio is None:
+            damping_ratio = JOINT_DAMPING_RATIO if hessian == "joint" else 0.1
         if not 0 < damping_ratio < float("inf"):
             raise ValueError(f"influence: damping_ratio must be finite and > 0, got {damping_ratio!r}")
         if rank is not None and hessian not in ("lorif", "joint"):
@@ -260,6 +274,14 @@ class Influence:
         The result is cached beside the store (``<store>/cache/influence-<key>.safetensors``, keyed by
         the store's shards and these options), so the next question skips the passes over the store.
         """
+        if self.hessian == "joint" and self.joint_rank is None:
+            shapes = store.layer_shapes
+            dim = sum(shapes[n][0] * shapes[n][1] for n in layers)
+            if dim > JOINT_MAX_DIM:          # explicit would need dim² floats: its top eigenpairs instead
+                log.warning("influence: the joint Fisher over %d layers is %d wide, above the explicit limit %d: "
+                            "using its top-%d eigenpairs (pass rank= / --rank to choose)", len(layers), dim,
+                            JOINT_MAX_DIM, JOINT_AUTO_RANK)
+                self.joint_rank = JOINT_AUTO_RANK
         cache = self._cache_file(store, layers)
         if cache is not None and cache.exists() and self._load(cache, layers):
             return
@@ -396,12 +418,7 @@ class Influence:
 
     def _fit_joint(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
         shapes = store.layer_shapes
-        dim = sum(shapes[n][0] * shapes[n][1] for n in layers)
-        if self.joint_rank is None and dim > JOINT_MAX_DIM:
-            raise ValueError(f"influence: hessian='joint' needs a {dim}×{dim} Fisher over all {len(layers)} layers "
-                             f"({dim * dim * 8 / 2 ** 30:.1f} GiB in float64); explicit, it takes at most "
-                             f"{JOINT_MAX_DIM} stored floats per example. Pass rank=r (--rank) for its top-r "
-                             "eigenpairs (memory O(D·r)), or use hessian='ekfac' or 'lorif' (per layer)")
+        dim = sum(shapes[n][0] * shapes[n][1] for n in layers)      # (too wide for explicit: fit() took a rank)
         if self._explicit:
             fisher, trace, num = joint_fisher(store, layers, block_size=block_size)
         else:
