@@ -17,8 +17,9 @@ Documents are shuffled together with passages of Python's reference manual (back
 by ``olmo-tda prepare`` as two sources, and a tiny OLMo (the demo's model, byte tokenizer) pretrains
 on them through ``olmo-tda train`` with ``tda.enabled: true`` until most facts are learned. Every
 fact is then asked as a prompt → answer query (``"Ada Brell was born in" → " Tulsa."``, only the
-answer's tokens scored) and as a question (``"Where was Ada Brell born?" → " Tulsa."``); the model
-*knows* a fact as asked when its greedy answer equals the true one. For every method (answers by
+answer's tokens scored) and as a question (``"Where was Ada Brell born?" → " Tulsa."``), each after a
+one-sentence context (a document before it, as packed training shows documents); the model *knows*
+a fact as asked when its greedy answer equals the true one. For every method (answers by
 document) and for BM25 (``rank_bm25`` over the same documents, the query's prompt and answer as
 words), the rank of the fact's own document: recall@1/10/50 and MRR (rank > 50 counts 0), over the
 known prompt → answer queries (the headline), all of them, and the question form; with the
@@ -135,15 +136,19 @@ def train(paths: list[Path], run_dir: Path, steps: int, args) -> float:
     return time.perf_counter() - t0
 
 
-def knows(run, prompts: list[str], completions: list[str]) -> np.ndarray:
-    """Whether the model's greedy answer to each prompt is the completion (every answer token argmax)."""
-    from olmo_tda.methods.queries import Query
+CONTEXT = "Notes from the archive."
+"""Every query's context (a document before it, as packed training presents documents: the tiny
+model answers far less often at position 0, which it rarely saw a document start at)."""
 
+
+def knows(run, queries) -> np.ndarray:
+    """Whether the model's greedy answer to each query is its completion (every answer token argmax),
+    through the same tokens the query gradient is taken over."""
     out = []
     with torch.no_grad():
-        for p, c in zip(prompts, completions):
-            tokens, first = Query(p, c).tokens(run._encode, eos_token_id=run.cfg.model.eos_token_id,
-                                               max_len=run.cfg.model.max_sequence_length)
+        for q in queries:
+            tokens, first = q.tokens(run._encode, eos_token_id=run.cfg.model.eos_token_id,
+                                     max_len=run.cfg.model.max_sequence_length)
             logits = run.model(torch.tensor([tokens])).logits[0]
             pred = logits[first - 1:-1].argmax(-1)
             out.append(bool((pred == torch.tensor(tokens[first:])).all()))
@@ -306,10 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     train_s = train(paths, run_dir, steps, args) if not (run_dir / "tda.yaml").exists() else float("nan")
     run = OLMoRun(run_dir)
     targets = [f["doc"] for f in facts]
-    prompts = [Query(f["prompt"], f["completion"]) for f in facts]
-    questions = [Query(f["question"], f["completion"]) for f in facts]
-    known = knows(run, [f["prompt"] for f in facts], [f["completion"] for f in facts])
-    known_q = knows(run, [f["question"] for f in facts], [f["completion"] for f in facts])
+    prompts = [Query(f["prompt"], f["completion"], CONTEXT) for f in facts]
+    questions = [Query(f["question"], f["completion"], CONTEXT) for f in facts]
+    known, known_q = knows(run, prompts), knows(run, questions)
     print(f"the model knows {known.sum()}/{len(facts)} facts as prompted, {known_q.sum()} as asked",
           file=sys.stderr)
     all_docs = docs + background

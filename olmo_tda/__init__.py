@@ -5,7 +5,8 @@ HDF5 store, and ask which training examples made the model do something::
 
     from olmo_tda import GradientCapture, CaptureConfig, GradientStore, StoreConfig, attribute
 
-and, for a run of ``olmo-tda train`` or of the DeepSpeed example, ``from olmo_tda import open_run``.
+and, for a run of ``olmo-tda train`` or of the DeepSpeed example, ``from olmo_tda import open_run, Query``:
+``open_run("runs/tiny").attribute([Query("Ada Brell was born in", " Tulsa")], group_by="document")``.
 """
 
 __version__ = "0.2.0"
@@ -13,11 +14,12 @@ __version__ = "0.2.0"
 from .capture import CaptureError, GradientCapture, Recording
 from .config import CaptureConfig, ConfigError, StoreConfig, TDAConfig
 from .methods import AttributionResult, attribute
+from .methods.queries import Query
 from .store import GradientRecord, GradientStore
 
 __all__ = ["__version__", "GradientCapture", "Recording", "CaptureError", "CaptureConfig", "StoreConfig",
            "TDAConfig", "ConfigError", "GradientStore", "GradientRecord", "attribute", "AttributionResult",
-           "OLMoRun", "DeepSpeedRun", "open_run"]
+           "Query", "OLMoRun", "DeepSpeedRun", "open_run"]
 
 _RUNS = ("OLMoRun", "DeepSpeedRun", "open_run")
 

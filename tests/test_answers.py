@@ -136,8 +136,8 @@ def test_completion_query_gradient_equals_torch_func():
 def test_query_files_and_refusals(tmp_path):
     f = tmp_path / "q.jsonl"
     f.write_text('"plain"\n{"text": "t"}\n{"prompt": "Where?", "completion": " Here."}\n\n'
-                 '{"prompt": "Who?", "answer": " Me."}\n')
-    assert read_queries(f) == [Query("plain"), Query("t"), Query("Where?", " Here."), Query("Who?", " Me.")]
+                 '{"prompt": "Who?", "answer": " Me.", "context": "Notes."}\n')
+    assert read_queries(f) == [Query("plain"), Query("t"), Query("Where?", " Here."), Query("Who?", " Me.", "Notes.")]
     f.write_text('{"prompt": "Where?"}\n')
     with pytest.raises(ValueError, match=r"q.jsonl:1: \"prompt\" and \"completion\" must both be strings"):
         read_queries(f)
@@ -146,6 +146,8 @@ def test_query_files_and_refusals(tmp_path):
         Query("a b", "").tokens(encode, eos_token_id=256, max_len=8)
     tokens, first = Query("0123456789", "ab").tokens(encode, eos_token_id=256, max_len=8)
     assert tokens == list(b"456789ab") and first == 6          # the prompt keeps its end
+    tokens, first = Query("p", "a", context="xy").tokens(encode, eos_token_id=256, max_len=8)
+    assert tokens == [*b"xy", 256, *b"pa"] and first == 4          # context, end-of-text, prompt, answer
     with pytest.raises(ValueError, match="is too short"):
         Query("a").tokens(encode, eos_token_id=256, max_len=8)
     with pytest.raises(ValueError, match="unknown kind of file"):

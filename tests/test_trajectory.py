@@ -165,6 +165,29 @@ def test_non_finite_weights_are_refused_naming_the_checkpoint_and_tensor(tmp_pat
                       lambda c: iter([(np.arange(1), {"b": c.load()["b"][None, None]})]), layers=["b"])
 
 
+def test_flipped_bytes_in_the_weights_are_refused_naming_the_checkpoint(tmp_path):
+    """A byte changed inside a checkpoint's tensor data (the file still parses, the value is finite)
+    is caught by the CRC-32 its meta.json keeps (zlib's, over the bytes written: the oracle), before
+    TracIn-CP scores with it."""
+    import zlib
+
+    traj = Trajectory(TrajectoryConfig(enabled=True, every=1), tmp_path / "t")
+    weights = {"w": torch.arange(64.0).reshape(8, 8)}
+    ckpts = [traj.save(s, weights, lrs=[0.5], tokens_seen=0) for s in range(2)]
+    path = ckpts[1].path / "model.safetensors"
+    assert ckpts[1].crc32 == zlib.crc32(path.read_bytes())
+    data = bytearray(path.read_bytes())
+    data[-9] ^= 0x01                                  # the low bits of a float32 near the end: still finite
+    path.write_bytes(bytes(data))
+    assert torch.isfinite(__import__("safetensors.torch").torch.load_file(str(path))["w"]).all()
+    with pytest.raises(TrajectoryError, match=r"step00000001: model.safetensors is damaged \(checksum"):
+        Trajectory.list(traj.path)[1].load()
+    with pytest.raises(TrajectoryError, match=r"step00000001: model.safetensors is damaged"):
+        tracin_cp(Trajectory.list(traj.path), lambda c: {"w": c.load()["w"][None]},
+                  lambda c: iter([(np.arange(1), {"w": c.load()["w"][None]})]), layers=["w"])
+    assert torch.equal(ckpts[0].load()["w"], weights["w"])
+
+
 def test_a_skipped_step_leaves_next_lrs_to_the_next_step_taken(tmp_path):
     """DeepSpeed fp16: step 5 overflowed (no maybe_save; θ_5 = θ_4), so step 6 is the one that used the
     gradients at θ_4 and TracIn-CP weights θ_4 by η_6, also in a run resumed at the skipped step after

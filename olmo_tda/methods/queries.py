@@ -4,7 +4,9 @@ A plain text query's gradient is that of its summed next-token loss (every token
 A prompt → answer query (``Query(prompt, completion)``) scores the completion's tokens only: the
 prompt is context, so "which data taught the model to answer this?" is not drowned by the words of
 the question. Such a query starts with the end-of-text id, as every training document after the
-first follows one, so the prompt's first token is read where training put it.
+first follows one, so the prompt's first token is read where training put it; a ``context`` goes
+before that id, as the end of the document packed before it (small models trained on packed
+documents rarely see one start at position 0, and answer better after some text).
 
 Example::
 
@@ -30,10 +32,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Query:
-    """A text (``completion`` None: every token is scored) or a prompt and its completion."""
+    """A text (``completion`` None: every token is scored) or a prompt and its completion, optionally
+    after a ``context`` (unscored text before the end-of-text id that starts the prompt)."""
 
     prompt: str
     completion: str | None = None
+    context: str | None = None
 
     @property
     def text(self) -> str:
@@ -53,22 +57,23 @@ class Query:
             if len(ids) < 2:
                 raise ValueError(f"query {self.prompt!r} is too short: it needs at least 2 tokens")
             return ids, 1
-        prompt, answer = [eos_token_id, *encode(self.prompt)], encode(self.completion)
+        context = list(encode(self.context)) if self.context else []
+        prompt, answer = [*context, eos_token_id, *encode(self.prompt)], encode(self.completion)
         if not answer:
             raise ValueError(f"query {self.prompt!r}: the answer is empty (give the tokens to score)")
         if len(answer) >= max_len:
             raise ValueError(f"query {self.prompt!r}: the answer is {len(answer)} tokens; the model reads at "
                              f"most {max_len} (max_sequence_length), prompt included")
         if len(prompt) + len(answer) > max_len:
-            log.warning("query %s: prompt and answer are %d tokens; the prompt keeps its last %d",
-                        _short(self.prompt), len(prompt) + len(answer), max_len - len(answer))
+            log.warning("query %s: context, prompt and answer are %d tokens; the answer is kept with the last "
+                        "%d before it", _short(self.prompt), len(prompt) + len(answer), max_len - len(answer))
             prompt = prompt[len(prompt) + len(answer) - max_len:]
         return prompt + answer, len(prompt)
 
 
 def read_queries(path: str | Path) -> list[Query]:
     """A JSONL file: per line a string, ``{"text": ...}`` (or ``"query"``), or ``{"prompt", "completion"}``
-    (``"answer"`` is accepted for ``"completion"``)."""
+    (``"answer"`` is accepted for ``"completion"``; an optional ``"context"`` goes before the prompt)."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
@@ -94,7 +99,9 @@ def _query(item: Any, where: str) -> Query:
         if "prompt" in item or completion is not None:
             if not isinstance(item.get("prompt"), str) or not isinstance(completion, str):
                 raise ValueError(f"{where}: \"prompt\" and \"completion\" must both be strings")
-            return Query(item["prompt"], completion)
+            if not isinstance(item.get("context", ""), str):
+                raise ValueError(f"{where}: \"context\" must be a string")
+            return Query(item["prompt"], completion, item.get("context") or None)
         text = item.get("text", item.get("query"))
         if isinstance(text, str):
             return Query(text)

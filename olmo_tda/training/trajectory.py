@@ -50,6 +50,7 @@ import os
 import re
 import shutil
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -66,6 +67,15 @@ log = logging.getLogger(__name__)
 
 _ID_BYTES = 1 << 16
 """Bytes read from each end of model.safetensors for :meth:`TrajectoryCheckpoint.content_id`."""
+
+
+def _file_crc32(path: Path, chunk: int = 1 << 24) -> int:
+    """zlib's CRC-32 of a file's bytes, read ``chunk`` bytes at a time."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 class TrajectoryError(RuntimeError):
@@ -86,6 +96,8 @@ class TrajectoryCheckpoint:
     bytes: int
     next_lrs: list[float] | None = None
     write_id: str | None = None
+    crc32: int | None = None
+    """CRC-32 of model.safetensors as written (None: written before it was kept); :meth:`load` checks it."""
     ordinal: int | None = None
     """The run's save count before this save (None: written before ordinals were kept)."""
     next_lrs_step: int | None = None
@@ -125,6 +137,15 @@ class TrajectoryCheckpoint:
         of its scores)."""
         from safetensors.torch import load_file
 
+        if self.crc32 is not None:
+            try:
+                got = _file_crc32(self.path / "model.safetensors")
+            except OSError as e:
+                raise TrajectoryError(f"trajectory checkpoint {self.path}: cannot read model.safetensors ({e})") from None
+            if got != self.crc32:
+                raise TrajectoryError(f"trajectory checkpoint {self.path}: model.safetensors is damaged (checksum "
+                                      f"{got:#010x} != {self.crc32:#010x} in its meta.json: its bytes changed after "
+                                      "it was written); restore or remove this checkpoint")
         try:
             weights = load_file(str(self.path / "model.safetensors"), device="cpu")
         except Exception as e:   # safetensors raises its own error types for truncated/corrupt files
@@ -147,6 +168,7 @@ class TrajectoryCheckpoint:
                        projector_hash=meta.get("projector_hash"), dtype=str(meta["dtype"]), bytes=int(meta["bytes"]),
                        next_lrs=None if next_lrs is None else [float(x) for x in next_lrs],
                        write_id=meta.get("write_id"), ordinal=None if ordinal is None else int(ordinal),
+                       crc32=None if meta.get("crc32") is None else int(meta["crc32"]),
                        next_lrs_step=None if next_lrs_step is None else int(next_lrs_step))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TrajectoryError(f"trajectory checkpoint {path}: unreadable meta.json ({e})") from None
@@ -331,11 +353,12 @@ class Trajectory:
             tmp.mkdir(parents=True)
             save_file(tensors, str(tmp / "model.safetensors"))
             nbytes = (tmp / "model.safetensors").stat().st_size
+            crc = _file_crc32(tmp / "model.safetensors")        # read back from the page cache
             meta = {"step": int(step), "ordinal": ordinal, "tokens_seen": int(tokens_seen),
                     "lrs": [float(x) for x in lrs], "next_lrs": None, "next_lrs_step": None,
                     "data_order_version": int(self.data_order_version), "projector_hash": self.projector_hash,
                     "dtype": StoreDType(self.config.dtype).value, "bytes": nbytes, "write_id": uuid.uuid4().hex,
-                    "format_version": 3}
+                    "crc32": crc, "format_version": 3}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
             for f in tmp.iterdir():
                 _fsync(f)
