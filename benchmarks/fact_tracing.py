@@ -27,8 +27,8 @@ per-query latency. ``variants`` rows score the same captured rows in other ways 
 second-moment preconditioning, per-step centring, late rows only) to find what keeps early
 training from drowning the answer.
 
-    python benchmarks/fact_tracing.py --quick        # ~9 min on 2 CPU cores
-    python benchmarks/fact_tracing.py                # the headline (docs/BENCHMARKS.md)
+    python benchmarks/fact_tracing.py --quick        # ~6 min on 2 CPU cores: influence, gradcos, graddot
+    python benchmarks/fact_tracing.py                # every method and the variants (docs/BENCHMARKS.md)
 
 The last line is one JSON object: ``default_method``, ``mrr``, ``recall10`` (the default method on
 the known prompt → answer queries), ``bm25_mrr``, ``bm25_recall1`` (BM25 on the same queries),
@@ -256,11 +256,12 @@ def early_share(run, queries, method: str, group: str = "row") -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer people and steps (~8 min on 2 cores)")
-    ap.add_argument("--people", type=int, default=40)
+    ap.add_argument("--quick", action="store_true", help="the same corpus and model, three methods, no variants "
+                                                         "(~6 min on 2 cores)")
+    ap.add_argument("--people", type=int, default=24)
     ap.add_argument("--distractors", type=int, default=2)
     ap.add_argument("--paraphrased", type=float, default=0.2)
-    ap.add_argument("--background", type=int, default=100, help="reference-manual passages mixed in")
+    ap.add_argument("--background", type=int, default=50, help="reference-manual passages mixed in")
     ap.add_argument("--epochs", type=int, default=60, help="passes over the documents, each in a new order")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--d-model", type=int, default=256)
@@ -275,8 +276,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="keep the data and run here (default: a temporary folder)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.people, args.background = 24, 50
     if args.methods is None:
         args.methods = ("influence,gradcos,graddot" if args.quick else
                         "influence,influence:ekfac,influence:raw,gradcos,graddot,tracin-inrun,tracin")

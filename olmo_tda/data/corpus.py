@@ -53,13 +53,15 @@ class _File:
     source: int
     first_instance: int
     num_instances: int
-    first_doc: int
-    starts: np.ndarray            # [docs] first token of each document in this file
-    names: np.ndarray | None      # [docs] str, from the prepare index
+    tokens: int
+    first_doc: int = 0
+    starts: np.ndarray | None = None    # [docs] first token of each document in this file
+    names: np.ndarray | None = None     # [docs] str, from the prepare index
 
 
 class Corpus:
-    """Instances, documents and sources of OLMo memmap files (see the module docstring).
+    """Instances, documents and sources of OLMo memmap files (see the module docstring). Instances
+    and sources cost nothing but the files' sizes; documents are read on first use.
 
     Args:
         paths: the memmap files, in OLMo's order.
@@ -81,36 +83,48 @@ class Corpus:
         names = list(labels) if labels is not None else [Path(str(p)).stem for p in paths]
         self.sources: list[str] = list(dict.fromkeys(names))
         self.files: list[_File] = []
-        instance = doc = 0
+        instance = 0
         for path, name in zip(paths, names):
             path = Path(str(path))
             if not path.is_file():
                 raise FileNotFoundError(f"training data file {path} is missing: answers decode passages from it")
             tokens = path.stat().st_size // self.dtype.itemsize
-            starts, doc_names = self._documents(path, tokens)
             num = tokens // self.seq_len
-            self.files.append(_File(path, self.sources.index(name), instance, num, doc, starts, doc_names))
+            self.files.append(_File(path, self.sources.index(name), instance, num, tokens))
             instance += num
-            doc += len(starts)
         self.num_instances = instance
         self._instance_starts = np.array([f.first_instance for f in self.files], dtype=np.int64)
-        self._doc_starts = np.array([f.first_doc for f in self.files], dtype=np.int64)
-        # one document per name: copies under one name share a key; unnamed spans are their own
-        keys, first, seen = np.empty(doc, dtype=np.int64), [], {}
-        for f in self.files:
-            if f.names is None:
-                keys[f.first_doc:f.first_doc + len(f.starts)] = np.arange(len(first), len(first) + len(f.starts))
-                first.extend(range(f.first_doc, f.first_doc + len(f.starts)))
-                continue
-            for j, name in enumerate(f.names.tolist()):
-                key = seen.get(name)
-                if key is None:
-                    key = seen[name] = len(first)
-                    first.append(f.first_doc + j)
-                keys[f.first_doc + j] = key
-        self._key_of_span, self._first_span = keys, np.asarray(first, dtype=np.int64)
-        self.num_documents = len(first)
+        self._doc_tables: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def num_documents(self) -> int:
         """Distinct documents (copies under one name counted once)."""
+        return len(self._documents_index()[2])
+
+    def _documents_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(first span of each file, key of each span, first span of each key)``, built once: every
+        file's document starts (its prepare index, else its end-of-text tokens) and one key per name
+        (copies under one name share it; unnamed spans are their own)."""
+        if self._doc_tables is None:
+            span = 0
+            for f in self.files:
+                f.starts, f.names = self._documents(f.path, f.tokens)
+                f.first_doc, span = span, span + len(f.starts)
+            keys, first, seen = np.empty(span, dtype=np.int64), [], {}
+            for f in self.files:
+                if f.names is None:
+                    keys[f.first_doc:f.first_doc + len(f.starts)] = np.arange(len(first), len(first) + len(f.starts))
+                    first.extend(range(f.first_doc, f.first_doc + len(f.starts)))
+                    continue
+                for j, name in enumerate(f.names.tolist()):
+                    key = seen.get(name)
+                    if key is None:
+                        key = seen[name] = len(first)
+                        first.append(f.first_doc + j)
+                    keys[f.first_doc + j] = key
+            self._doc_tables = (np.array([f.first_doc for f in self.files], dtype=np.int64), keys,
+                                np.asarray(first, dtype=np.int64))
+        return self._doc_tables
 
     def _documents(self, path: Path, tokens: int) -> tuple[np.ndarray, np.ndarray | None]:
         index = Path(str(path) + DOCS_SUFFIX)
@@ -148,6 +162,7 @@ class Corpus:
         ``ids[row]`` holds ``tokens`` of its ``seq_len`` tokens from document ``document`` (an instance
         holding two copies of one document lists it twice)."""
         ids = np.asarray(ids, dtype=np.int64)
+        _, key_of_span, _ = self._documents_index()
         rows, docs, counts = [], [], []
         files = self._file_of(ids)
         for f in np.unique(files):
@@ -163,7 +178,7 @@ class Corpus:
             ends = np.append(info.starts[1:], np.iinfo(np.int64).max)[doc]
             stop = np.minimum(ends, np.repeat(lo + self.seq_len, span))
             rows.append(row)
-            docs.append(self._key_of_span[doc + info.first_doc])
+            docs.append(key_of_span[doc + info.first_doc])
             counts.append(stop - start)
         if not rows:
             return (np.zeros(0, np.int64),) * 3
@@ -173,10 +188,11 @@ class Corpus:
 
     def _doc_file(self, doc: int) -> tuple[_File, int]:
         """The file and local index of document ``doc``'s first copy."""
-        if not 0 <= doc < self.num_documents:
-            raise ValueError(f"document {doc} is not in [0, {self.num_documents})")
-        span = int(self._first_span[doc])
-        f = self.files[int(np.searchsorted(self._doc_starts, span, side="right") - 1)]
+        doc_starts, _, first_span = self._documents_index()
+        if not 0 <= doc < len(first_span):
+            raise ValueError(f"document {doc} is not in [0, {len(first_span)})")
+        span = int(first_span[doc])
+        f = self.files[int(np.searchsorted(doc_starts, span, side="right") - 1)]
         return f, span - f.first_doc
 
     def document_name(self, doc: int) -> str:
@@ -189,9 +205,8 @@ class Corpus:
     def document_tokens(self, doc: int) -> np.ndarray:
         """Token ids of document ``doc``'s first copy (its end-of-text id included where it has one)."""
         f, j = self._doc_file(doc)
-        tokens = f.path.stat().st_size // self.dtype.itemsize
-        lo, hi = int(f.starts[j]), int(f.starts[j + 1]) if j + 1 < len(f.starts) else tokens
-        return np.asarray(np.memmap(f.path, dtype=self.dtype, mode="r", shape=(tokens,))[lo:hi])
+        lo, hi = int(f.starts[j]), int(f.starts[j + 1]) if j + 1 < len(f.starts) else f.tokens
+        return np.asarray(np.memmap(f.path, dtype=self.dtype, mode="r", shape=(f.tokens,))[lo:hi])
 
     def document_text(self, doc: int) -> str:
         if self.decode is None:
