@@ -169,6 +169,25 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
     assert main(["report", str(out)]) == 0
     assert (out / "run" / "tda" / "report.html").is_file()
 
+    # 64 flipped bytes inside one shard's gradients: attribute refuses, naming the shard and the layer;
+    # --skip-damaged answers without that shard and says how many rows it left out
+    import h5py
+
+    shard = sorted((out / "run" / "tda" / "store" / "shards").glob("*.h5"))[0]
+    with h5py.File(shard, "r") as f:
+        at, rows = f["grads/L0002"].id.get_offset() + 256, len(f["ids"])
+    data = bytearray(shard.read_bytes())
+    data[at:at + 64] = bytes(b ^ 0x5A for b in data[at:at + 64])
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "gradcos"]) == 2
+    err = capsys.readouterr().err
+    assert f"{shard.name}: layer " in err and "(grads/L0002) is damaged" in err and "--skip-damaged" in err
+    assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "gradcos", "--skip-damaged",
+                 "--json", str(tmp_path / "skip.json")]) == 0
+    assert capsys.readouterr().out.startswith(f"skipped {rows} rows of 1 damaged shards (shards/{shard.name})")
+    assert json.loads((tmp_path / "skip.json").read_text())[0]["settings"]["skipped_rows"] == rows
+
 
 def test_damaged_or_moved_run_files(tmp_path, capsys):
     """A run whose saved files were damaged is refused in one line naming the file; one whose store
