@@ -187,7 +187,8 @@ def test_store_read_runs(tmp_path):
     res = _last_json("store_read.py", "--n", "600", "--rounds", "1", "--large", "300x2", "--small", "10x3",
                      "--work-dir", str(tmp_path))
     assert res["benchmark"] == "store_read" and res["shards"] == {"large": 1, "small": 20}
-    assert set(res["per_shard_ms"]) == {"reader", "h5py", "query"} and res["query_small_over_large"] > 0
+    assert set(res["per_shard_ms"]) == {"reader", "h5py", "query", "checked", "open"}
+    assert res["query_small_over_large"] > 0 and set(res["checksum_cost_frac"]) == {"large", "small"}
     assert not any(tmp_path.iterdir())                                   # stores removed
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "store_read.py"), "--small", "8"],
                          capture_output=True, text=True)
