@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -306,7 +307,12 @@ def test_tracin_cp_rescores_a_rewritten_checkpoint_and_only_that_one(tmp_path):
     save_file(written[2], str(f))
     os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert f.stat().st_size == before.st_size and f.stat().st_mtime_ns == before.st_mtime_ns
-    assert score() == [2]
+    with pytest.raises(TrajectoryError, match="step00000002: model.safetensors is damaged"):
+        score()                                            # its meta.json's checksum is of the old weights
+    meta = json.loads((f.parent / "meta.json").read_text())
+    (f.parent / "meta.json").write_text(json.dumps({**meta, "crc32": zlib.crc32(f.read_bytes())}))
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert score() == [2]                                  # replaced with its checksum: scored again
     assert sorted(p.name[:12] for p in (tmp_path / "work").rglob("*.npz")) == [f"step0000000{s}" for s in range(3)]
 
 
