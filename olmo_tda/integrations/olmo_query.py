@@ -248,8 +248,8 @@ class OLMoRun:
             kind = GroupBy(group_by)
         except ValueError:
             raise ValueError(f"group_by must be one of {[g.value for g in GroupBy]}, got {group_by!r}") from None
-        grouping = {GroupBy.ROW: None, GroupBy.EXAMPLE: ByExample()}.get(kind) if kind in (
-            GroupBy.ROW, GroupBy.EXAMPLE) else (ByDocument if kind is GroupBy.DOCUMENT else BySource)(self.corpus)
+        grouping = (None if kind is GroupBy.ROW else ByExample() if kind is GroupBy.EXAMPLE
+                    else ByDocument(self.corpus) if kind is GroupBy.DOCUMENT else BySource(self.corpus))
         if method in ("tracin", "tracin-inrun"):
             from ..methods.tracin import top_examples
 
