@@ -167,6 +167,19 @@ class CaptureConfig:
     and, when the file does not exist yet, estimates it before the first step."""
     basis_batches: int = 4
     """Training batches (per rank) a run uses to estimate a missing eigenbasis, at its initial weights."""
+    basis_every: int = 0
+    """``proj_type: eigen`` in a training run: re-estimate the eigenbasis every this many steps, and
+    early in the run at steps ``basis_every/16, /8, /4, /2`` (where the model changes fastest), so
+    the basis follows the weights (0 = frozen at the first estimate). Each estimate is a new basis
+    version, a content-addressed file in the store's ``bases/``; every shard records the version
+    its rows were projected with and queries are projected once per version (docs/BASES.md). The
+    widths of every layer stay those of the first estimate."""
+    basis_tokens: int = 512
+    """Token rows per rank that a refresh samples from the training batches of the
+    ``basis_batches`` steps before it (evenly spaced within each micro-batch): the covariances of
+    a refresh come from the training step itself, with no extra forward or backward. They are held
+    on the layer's device until the refresh: ``basis_tokens × Σ(n_in + n_out) × 4`` bytes per rank
+    (OLMo-1B: 1.3 GB at 512)."""
     budget: int = 0
     """At most this many floats per example over all captured layers, split by the eigenbasis
     estimate (``proj_type: eigen`` only; 0 = off, every layer gets ``proj_dim``). Each layer's share
@@ -192,6 +205,12 @@ class CaptureConfig:
         _check(self.seed >= 0, f"{path}.seed", f"must be >= 0, got {self.seed}")
         _check(self.rank >= 0, f"{path}.rank", f"must be >= 0 (0 = dense gradients), got {self.rank}")
         _check(self.basis_batches >= 1, f"{path}.basis_batches", f"must be >= 1, got {self.basis_batches}")
+        _check(self.basis_every >= 0, f"{path}.basis_every", f"must be >= 0 (0 = frozen), got {self.basis_every}")
+        _check(self.basis_tokens >= 1, f"{path}.basis_tokens", f"must be >= 1, got {self.basis_tokens}")
+        if self.basis_every:
+            _check(self.proj_type is ProjectionType.EIGEN and not self.exact, f"{path}.basis_every",
+                   f"re-estimates an eigenbasis: it needs proj_type 'eigen' and a nonzero proj_dim, got proj_type "
+                   f"{self.proj_type.value!r}, proj_dim {self.proj_dim!r}")
         if require_basis and self.proj_type is ProjectionType.EIGEN and not self.exact:
             _check(bool(self.basis), f"{path}.basis",
                    "proj_type 'eigen' needs the eigenbasis file: estimate one with "

@@ -141,7 +141,8 @@ def test_olmo_1b_values():
     assert (cfg.save_interval, cfg.save_interval_unsharded) == (1000, 10000)
     assert cfg.wandb is not None and cfg.wandb.project
     assert cfg.tokenizer.identifier == "tokenizers/allenai_eleuther-ai-gpt-neox-20b-pii-special.json"
-    assert tda.enabled and tda.capture.proj_dims == (64, 64) and tda.store.dtype is StoreDType.BFLOAT16
+    assert tda.enabled and tda.capture.proj_dims == (16, 16) and tda.store.dtype is StoreDType.BFLOAT16
+    assert tda.capture.proj_type.value == "eigen" and tda.capture.basis_every == 1000
     assert tda.store.flush_every == 100 and tda.capture.exclude == []
 
 
@@ -154,13 +155,18 @@ def test_olmo_1b_overrides_reach_both_configs():
     assert tda.capture.proj_dims == (16, 16)
 
 
-def test_olmo_1b_architecture_captures_four_linears_per_block():
+def test_olmo_1b_architecture_captures_four_linears_per_block(tmp_path):
     """OLMo-1B's model config, shrunk (a 1B model is too heavy for a unit test): the capture selects
     exactly att_proj, attn_out, ff_proj, ff_out of every block and no head (weight tying: the logits
-    use F.linear on wte.weight), and stores 64 x 64 per layer — the count the config's estimate uses."""
+    use F.linear on wte.weight), and stores k x k per layer — the count the config's estimate uses:
+    16 x 16 in the eigenbasis that follows the run, and the random projections' shapes alike."""
     from olmo.model import OLMo
 
+    from olmo_tda.capture.eigenbasis import estimate_eigenbasis
+
     cfg, tda = load_configs(OLMO_1B)
+    following = tda.capture
+    tda.capture = dataclasses.replace(tda.capture, proj_type="orthogonal", proj_dim=64, basis_every=0)
     small = dataclasses.replace(cfg.model, d_model=64, n_layers=2, n_heads=4, vocab_size=128, embedding_size=128,
                                 max_sequence_length=32, eos_token_id=127, pad_token_id=1, init_device="cpu",
                                 flash_attention=False)
@@ -178,3 +184,10 @@ def test_olmo_1b_architecture_captures_four_linears_per_block():
     with GradientCapture(model, dataclasses.replace(tda.capture, proj_dim=128)) as cap:
         shapes = {n.rsplit(".", 1)[1]: s for n, s in cap.layer_shapes.items()}
         assert shapes == {"att_proj": (128, 64), "attn_out": (64, 64), "ff_proj": (128, 64), "ff_out": (64, 128)}
+    tokens = torch.randint(0, 128, (2, 32))
+    basis = tmp_path / "basis.safetensors"
+    following = dataclasses.replace(following, basis=str(basis))
+    estimate_eigenbasis(model, [tokens], lambda m, t: m(t).logits.sum(), following).save(basis)
+    with GradientCapture(model, following) as cap:
+        assert set(cap.modules) == expected and set(cap.layer_shapes.values()) == {(16, 16)}
+        assert cap.basis_version is not None and cap.projector_specs[next(iter(expected))]["basis"] == "versioned"

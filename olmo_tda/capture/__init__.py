@@ -17,9 +17,11 @@ Example::
 """
 
 from .eigenbasis import EigenBasis, EigenProjector, estimate_eigenbasis
+from .following import BasisFollower, refreshed_basis
 from .hooks import CaptureError, GradientCapture, Recording, activation_grads_only, canonical_name
 from .projection import IdentityProjector, Projector, RandomProjector, make_projector, register_projector
 
 __all__ = ["GradientCapture", "Recording", "activation_grads_only", "CaptureError", "canonical_name", "Projector",
            "IdentityProjector", "RandomProjector", "EigenBasis", "EigenProjector", "estimate_eigenbasis",
+           "BasisFollower", "refreshed_basis",
            "make_projector", "register_projector"]

@@ -314,7 +314,11 @@ class EigenProjector(MatrixProjector):
     identity. Not scaled: projected inner products are those of the gradients restricted to the
     dominant Kronecker subspace, not unbiased estimates of the full ones."""
 
-    def __init__(self, name: str, n_out: int, n_in: int, k_out: int, k_in: int, basis: EigenBasis):
+    def __init__(self, name: str, n_out: int, n_in: int, k_out: int, k_in: int, basis: EigenBasis,
+                 *, versioned: bool = False):
+        self.versioned = versioned
+        """A basis that follows the run (``capture.basis_every``): the spec names no matrices, each
+        shard names its version, and :meth:`rebase` moves to the next one."""
         lb = basis.layer(name)
         if (lb.n_out, lb.n_in) != (n_out, n_in):
             raise EigenBasisError(
@@ -338,7 +342,22 @@ class EigenProjector(MatrixProjector):
                                   + hint)
         return stored_KN[:k].float().clone()
 
+    def rebase(self, basis: EigenBasis) -> None:
+        """Project onto ``basis`` (a later version of the same layers, widths unchanged) from now on."""
+        lb = basis.layer(self.name)
+        if (lb.n_out, lb.n_in) != (self.n_out, self.n_in):
+            raise EigenBasisError(f"eigenbasis {basis.where()}: layer {self.name!r} has (n_out, n_in) = "
+                                  f"({lb.n_out}, {lb.n_in}), the capture ({self.n_out}, {self.n_in})")
+        device = self._out_W.device
+        self.proj_out_KO = self._rows(basis, self.name, "out", lb.proj_out, self.k_out)
+        self.proj_in_KI = self._rows(basis, self.name, "in", lb.proj_in, self.k_in)
+        self.basis_digest = basis.digest
+        self._bind(device)
+
     def spec(self) -> dict[str, Any]:
+        if self.versioned:
+            return {"kind": "eigen", "shape": [self.k_out, self.k_in], "layer_shape": [self.n_out, self.n_in],
+                    "basis": "versioned"}
         return {"kind": "eigen", "shape": [self.k_out, self.k_in], "layer_shape": [self.n_out, self.n_in],
                 "basis_digest": self.basis_digest[:16],
                 "digest": matrices_digest(self.proj_out_KO, self.proj_in_KI)[:16]}

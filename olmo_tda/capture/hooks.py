@@ -84,6 +84,8 @@ class Recording:
         """Identifies the projectors: :func:`~olmo_tda.attribute` refuses a store made with others."""
         self.projector_specs = capture.projector_specs
         """Each layer's projector spec: names the first layer and field that differ from a store's."""
+        self.basis_version = capture.basis_version
+        """Digest of the eigenbasis version these gradients were projected with (None: unversioned)."""
         self._capture = capture
         # forward id -> name -> dense Ĝ [B, Ko, Ki], or token factors (g [B, T, Ko], a [B, T, Ki])
         self._parts: dict[int, dict[str, Any]] = {}
@@ -178,7 +180,8 @@ class Recording:
 
     def to_record(self, step: int, lr: float) -> GradientRecord:
         """The store's unit: a :class:`~olmo_tda.store.record.GradientRecord` of this block."""
-        return GradientRecord(ids=self.ids, step=step, lr=lr, loss_scale=self.loss_scale, grads=self.stored())
+        return GradientRecord(ids=self.ids, step=step, lr=lr, loss_scale=self.loss_scale, grads=self.stored(),
+                              basis=self.basis_version)
 
 
 def _cat(chunks: list[torch.Tensor]) -> torch.Tensor:
@@ -336,6 +339,11 @@ class GradientCapture:
                                  self.config.proj_type, self.config.seed, basis=self.config.basis)
             for name, (n_out, n_in) in ((n, layer_dims(m)) for n, m in self.modules.items())
         }
+        self.basis = None
+        """The :class:`~olmo_tda.capture.eigenbasis.EigenBasis` projected onto now, when it follows the
+        run (``capture.basis_every``): :meth:`use_basis` moves to a new version."""
+        if self.config.basis_every and enabled:
+            self._version_projectors()
         tied = _tied_heads(model) if enabled else []
         wanted = [t for t in tied if _matches(t[0], self.config.modules) and not _matches(t[0], self.config.exclude)]
         if enabled and wanted and not self.config.embeddings:
@@ -385,6 +393,30 @@ class GradientCapture:
                    else f"allocated layer {name} {basis.dims(name)}")
                 + ": re-estimate it with this capture config (a training run does so when the file is absent)")
         return basis.dims(name)
+
+    def _version_projectors(self) -> None:
+        from .eigenbasis import EigenBasis, EigenProjector
+
+        self.basis = EigenBasis.open(self.config.basis)
+        self.projectors = {name: EigenProjector(name, p.n_out, p.n_in, p.k_out, p.k_in, self.basis, versioned=True)
+                           for name, p in self.projectors.items()}
+
+    @property
+    def basis_version(self) -> str | None:
+        """Digest of the eigenbasis version projected onto now (None unless it follows the run)."""
+        return self.basis.digest if self.basis is not None else None
+
+    def use_basis(self, basis: Any) -> None:
+        """Project onto ``basis`` (another version of the run's eigenbasis: the same layers and widths)
+        from the next forward on. Only for a capture whose basis follows the run."""
+        if self.basis is None:
+            raise CaptureError("use_basis: this capture's projections are not versioned (capture.basis_every "
+                               "is 0, or proj_type is not 'eigen')")
+        if self._active is not None:
+            raise CaptureError("use_basis: cannot change the basis inside a record(...) block")
+        for projector in self.projectors.values():
+            projector.rebase(basis)
+        self.basis = basis
 
     def _attach(self) -> None:
         try:

@@ -228,6 +228,9 @@ class DeepSpeedTDA:
             raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
                               "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
         eigen = config.capture.proj_type is ProjectionType.EIGEN and not config.capture.exact
+        if config.capture.basis_every:
+            raise ConfigError("tda.capture.basis_every: a basis that follows the run is re-estimated by the OLMo "
+                              "trainer only; with DeepSpeed keep basis_every: 0 (a frozen basis) for now")
         if capture is None and eigen and not (config.capture.basis and Path(config.capture.basis).is_file()):
             what = f"{config.capture.basis} does not exist: estimate it" if config.capture.basis else \
                 "none is set: set tda.capture.basis to a path, then estimate the file"

@@ -57,9 +57,10 @@ import torch.distributed as dist
 import yaml
 
 from ..capture import GradientCapture
-from ..capture.eigenbasis import estimate_eigenbasis
+from ..capture.eigenbasis import EigenBasisError, estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, SelectionPolicy, TDAConfig
 from ..store import GradientStore
+from ..store.format import BASES_DIR
 from . import check_rows_continue, cut_departed_ranks, resume_state, sum_and_max_over_ranks
 
 try:
@@ -161,6 +162,7 @@ class TDATrainer(Trainer):
     def __post_init__(self):
         super().__post_init__()
         self.capture: GradientCapture | None = None
+        self.follower = None                # capture.basis_every: the eigenbasis versions of the run
         self.store = None
         self.trajectory = None
         self._record = None
@@ -180,6 +182,14 @@ class TDATrainer(Trainer):
                 self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
                 itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
                 self._row_bytes = itemsize * self.capture.floats_per_example
+                if self.capture.basis is not None:      # capture.basis_every: the basis follows the run
+                    from ..capture.following import BasisFollower
+
+                    self.follower = BasisFollower(self.dist_model, self.capture, self.capture.config,
+                                                  store_path / BASES_DIR, writer=_rank() == 0,
+                                                  distributed=_world_size() > 1,
+                                                  barrier=dist.barrier if _world_size() > 1 else None)
+                    self.follower.start(1)      # a resume replaces the history with its checkpoint's
             if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
                 tda_dir.mkdir(parents=True, exist_ok=True)      # here wherever the store is: reports look here
                 self._metrics_file = open(tda_dir / "metrics.jsonl", "a", buffering=1)
@@ -205,6 +215,8 @@ class TDATrainer(Trainer):
             if self.store is not None:
                 self.store.close()
         finally:
+            if self.follower is not None:
+                self.follower.remove()
             if self.capture is not None:
                 self.capture.remove()
             if self.selector is not None:
@@ -420,6 +432,8 @@ class TDATrainer(Trainer):
         if "index" not in batch:
             raise RuntimeError("tda capture needs batch['index'] (global instance ids); OLMo's IterableDataset "
                                "provides it — a custom loader must too")
+        if self.follower is not None:       # samples this step's token rows when a refresh is near
+            self.follower.before_step(self.global_step)
         with self.capture.record(batch["index"], loss_scale=batch["input_ids"].numel()) as rec:
             out = super().train_batch(batch)
         self._record = rec
@@ -450,6 +464,10 @@ class TDATrainer(Trainer):
                     self.selector.observe(self._record)
                 self._record = None
                 append_ms = 1e3 * (time.perf_counter() - t1)
+            if self.follower is not None:   # after the append: this step's rows are the old version's
+                self.follower.after_step(self.global_step)
+                metrics["tda/basis_versions"] = float(len(self.follower.versions))
+                metrics["tda/basis_refresh_s"] = self.follower.refresh_seconds
             # the slowest rank's (below): a rank whose writer falls behind (a slow disk: its queue full)
             # holds up every rank's next step, and would go unseen in rank 0's own number or in a mean
             metrics["tda/append_ms"] = append_ms
@@ -530,6 +548,8 @@ class TDATrainer(Trainer):
                             **resume_state(self.store)}     # flushed: this rank's rows up to here
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
+        if self.follower is not None:       # the basis versions in force up to this step
+            state["tda_basis"] = self.follower.state_dict()
         if self.selector is not None:       # what a resume's log must hold to replay this step's order
             state["tda_selection"] = {"log": str(self.selector.log.folder.resolve()),
                                       "rounds": len(self._rounds_up_to(int(self.epoch or 0), self.global_step))}
@@ -590,6 +610,12 @@ class TDATrainer(Trainer):
         if dropped:
             log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
         cut_departed_ranks(self.store, self.global_step)     # resumed on fewer ranks: the others' later rows too
+        if self.follower is not None:       # the versions in force up to here; later ones' files removed
+            try:
+                self.follower.load_state_dict(None if new_timeline else state_dict.get("tda_basis"),
+                                              self.global_step, stored=self.store.bases)
+            except EigenBasisError as e:
+                raise ConfigError(f"tda.capture.basis_every: {e}") from None
 
     def _cut_metrics(self, step: int) -> None:
         """Keep ``tda/metrics.jsonl``'s rows up to ``step`` (written to a temp file, then renamed)."""

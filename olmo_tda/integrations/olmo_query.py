@@ -131,7 +131,7 @@ class OLMoRun:
             for q in queries]
         capture = GradientCapture(self.model, self.tda.capture)
         try:
-            grads = query_gradients(self.model, capture, items)
+            grads = query_gradients(self.model, capture, items, store=self.store)
             self.query_projector_specs = capture.projector_specs     # names what differs from the store's
             return grads, capture.projector_hash
         finally:

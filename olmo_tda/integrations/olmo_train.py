@@ -168,9 +168,10 @@ def _start_wandb(cfg) -> None:
                name=cfg.wandb.name, tags=cfg.wandb.tags, config=cfg.asdict(exclude=["wandb"]))
 
 
-def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
+def train(cfg, tda_cfg: TDAConfig, step_callbacks=(), trainer_cls: type | None = None) -> None:
     """Run OLMo pretraining with TDA as configured (call under torchrun, or plainly for one process).
-    ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step.
+    ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step; ``trainer_cls``: a
+    :class:`~olmo_tda.integrations.olmo.TDATrainer` subclass to train with.
 
     As OLMo's own script, ``try_load_latest_save`` resumes from the save folder's latest checkpoint
     (a requeued job: the same command continues the run; with nothing saved yet it starts fresh, and
@@ -200,7 +201,8 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=()) -> None:
         continues = _choose_start(cfg, tda_cfg)
         _check_sharded_checkpointers(cfg)          # the checkpoint try_load_latest_save chose, if any
         _start_wandb(cfg)
-        with build_trainer(cfg, tda_cfg, device, step_callbacks=step_callbacks, continues=continues) as trainer:
+        with build_trainer(cfg, tda_cfg, device, trainer_cls, step_callbacks=step_callbacks,
+                           continues=continues) as trainer:
             if cfg.load_path is not None:
                 log.info("loading checkpoint %s", cfg.load_path)
                 _restore_checkpoint(trainer, cfg)

@@ -16,7 +16,8 @@ Example: a store of 3 training rows, scored against one query (in practice both 
 
 from . import graddot as _graddot  # noqa: F401  (registers graddot, gradcos)
 from . import influence as _influence  # noqa: F401  (registers influence)
-from .base import AttributionMethod, AttributionResult, attribute, available_methods, get_method, register_method
+from .base import (AttributionMethod, AttributionResult, BasisQueries, ProjectedQueries, attribute, available_methods,
+                   get_method, register_method)
 
-__all__ = ["attribute", "AttributionResult", "AttributionMethod", "register_method", "get_method",
-           "available_methods"]
+__all__ = ["attribute", "AttributionResult", "AttributionMethod", "BasisQueries", "ProjectedQueries",
+           "register_method", "get_method", "available_methods"]

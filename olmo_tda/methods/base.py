@@ -14,6 +14,7 @@ twice, but a list of the most influential training rows names it once.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +25,8 @@ import torch
 
 from .grouping import ByExample, GroupBy, GroupScores, Grouping
 
-__all__ = ["AttributionMethod", "AttributionResult", "register_method", "get_method", "available_methods",
-           "attribute"]
+__all__ = ["AttributionMethod", "AttributionResult", "BasisQueries", "ProjectedQueries", "register_method", "get_method",
+           "available_methods", "attribute"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,67 @@ class AttributionResult:
             out.append([{"index": int(i), "step": int(s), "score": float(v)}
                         for i, s, v in zip(self.ids[q], self.steps[q], self.scores[q]) if i >= 0])
         return out
+
+
+class BasisQueries(dict):
+    """Query gradients per eigenbasis version, ``{digest: Recording | ProjectedQueries}``, for a store
+    whose basis follows the run (``store.bases``): each version's rows are scored against the queries
+    projected with that version. :func:`~olmo_tda.methods.queries.query_gradients` with ``store=``
+    makes one."""
+
+    def version(self, digest: str | None) -> Any:
+        """The queries projected with ``digest``; refuses a missing version and one filed under
+        another version's digest, naming both."""
+        if digest not in self:
+            raise ValueError(f"no queries projected with eigenbasis version {str(digest)[:16]} (given: "
+                             f"{', '.join(str(d)[:16] for d in self) or 'none'}); project them with "
+                             "store.load_basis(digest)")
+        own = getattr(self[digest], "basis_version", None)
+        if own is not None and own != digest:
+            raise ValueError(f"the queries filed under eigenbasis version {str(digest)[:16]} were projected with "
+                             f"version {own[:16]}: scores between two bases are noise; project them with that "
+                             "version (store.load_basis(digest))")
+        return self[digest]
+
+
+class ProjectedQueries(dict):
+    """``{layer: [Q, Ko, Ki]}`` projected with eigenbasis version ``basis_version``."""
+
+    def __init__(self, grads: dict[str, torch.Tensor], basis_version: str | None):
+        super().__init__(grads)
+        self.basis_version = basis_version
+
+
+def _per_basis(store: Any, queries: Any) -> dict[str | None, Any]:
+    """``{version: queries}`` to score each version's rows with (``{None: queries}`` for a store of
+    one projection); refuses a version without queries and a recording filed under another version."""
+    versions = list(getattr(store, "bases", []) or [])
+    if not isinstance(queries, BasisQueries):
+        own = getattr(queries, "basis_version", None)
+        if not versions:
+            return {None: queries}
+        if versions == [own]:
+            return {own: queries}
+        raise ValueError(f"the store's rows were projected with {len(versions)} eigenbasis versions "
+                         f"({', '.join(d[:12] for d in versions)}); a query must be projected with each: pass "
+                         "BasisQueries({digest: recording}) (query_gradients(..., store=store) makes it)")
+    if not versions:
+        raise ValueError("BasisQueries were given but the store has one projection (no eigenbasis versions): "
+                         "pass the queries' Recording itself")
+    return {d: queries.version(d) for d in versions}
+
+
+class _BasisView:
+    """The rows of one eigenbasis version of a store, for methods that fit on the rows (influence)."""
+
+    def __init__(self, store: Any, basis: str | None):
+        self._store, self._basis = store, basis
+
+    def iter_blocks(self, *args: Any, **kwargs: Any):
+        return self._store.iter_blocks(*args, basis=self._basis, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
 def _as_queries(queries: Any) -> dict[str, torch.Tensor]:
@@ -234,6 +296,8 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
     if isinstance(store, (str, Path)):
         from ..store import GradientStore
         store = GradientStore.open(store)
+    by_basis = _per_basis(store, queries)
+    queries = next(iter(by_basis.values()))
     projector_hash = getattr(queries, "projector_hash", projector_hash)
     stored_hash = getattr(store, "meta", {}).get("projector_hash")
     if projector_hash is not None and stored_hash is not None and projector_hash != stored_hash:
@@ -242,7 +306,12 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
                          + projector_difference(getattr(queries, "projector_specs", projector_specs),
                                                 getattr(store, "meta", {}))
                          + f" — see `olmo-tda inspect {getattr(store, 'path', '')}`")
-    queries = _as_queries(queries)
+    by_basis = {d: _as_queries(q) for d, q in by_basis.items()}
+    queries = next(iter(by_basis.values()))
+    if len({tuple(sorted(q)) for q in by_basis.values()}) > 1 or len({q[n].shape[0] for q in by_basis.values()
+                                                                     for n in q}) > 1:
+        raise ValueError("the queries of the eigenbasis versions differ in layers or number of queries: project "
+                         "the same queries with every version")
     if layers is None and set(queries) != set(store.layers):
         log.warning("queries cover %d layers and the store %d: scoring the %d they share (pass layers= to "
                     "choose explicitly)", len(queries), len(store.layers), len(set(queries) & set(store.layers)))
@@ -252,16 +321,20 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
         raise ValueError(f"layers {missing or chosen} are not in both the store ({len(store.layers)} layers) "
                          f"and the queries ({sorted(queries)[:5]}...)")
     shapes = getattr(store, "layer_shapes", None)
-    for name in chosen:
-        want = tuple(shapes[name]) if shapes else None
-        if want is not None and tuple(queries[name].shape[1:]) != want:
-            raise ValueError(f"query gradient of {name} has shape {tuple(queries[name].shape[1:])}, the store "
-                             f"holds {want}: were the queries captured with the store's capture config?")
-    _check_queries(queries, chosen)
-    algo = get_method(method, **method_options) if isinstance(method, str) else method
-    if hasattr(algo, "fit"):            # methods that need the training rows first (influence: the Fisher)
-        algo.fit(store, chosen, block_size=block_size)
-    state = algo.prepare({n: queries[n] for n in chosen})
+    states = {}
+    for digest, version_queries in by_basis.items():
+        for name in chosen:
+            want = tuple(shapes[name]) if shapes else None
+            if want is not None and tuple(version_queries[name].shape[1:]) != want:
+                raise ValueError(f"query gradient of {name} has shape {tuple(version_queries[name].shape[1:])}, "
+                                 f"the store holds {want}: were the queries captured with the store's capture config?")
+        _check_queries(version_queries, chosen)
+        # one method per version: a curvature fitted on one version's rows is not another's
+        algo = (get_method(method, **method_options) if isinstance(method, str)
+                else method if len(by_basis) == 1 else copy.deepcopy(method))
+        if hasattr(algo, "fit"):        # methods that need the training rows first (influence: the Fisher)
+            algo.fit(store if digest is None else _BasisView(store, digest), chosen, block_size=block_size)
+        states[digest] = (algo, algo.prepare({n: version_queries[n] for n in chosen}))
     num_q = next(iter(queries.values())).shape[0]
 
     best_scores = torch.full((num_q, 0), -torch.inf, dtype=torch.float64)
@@ -271,6 +344,7 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
     num_rows = 0
     groups = GroupScores(grouping, num_q) if grouping is not None else None
     for block in store.iter_blocks(layers=chosen, block_size=block_size):
+        algo, state = states[getattr(block, "basis", None)]
         scores = algo.score_block(state, block.grads).to(torch.float64)        # [Q, n]
         ids_n = np.asarray(block.ids, dtype=np.int64)
         steps_n = np.asarray(block.steps, dtype=np.int64)

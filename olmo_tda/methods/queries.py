@@ -109,15 +109,28 @@ def _query(item: Any, where: str) -> Query:
 
 
 def query_gradients(model: torch.nn.Module, capture: Any, items: Sequence[tuple[Sequence[int], int]], *,
-                    logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    logits: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                    store: Any = None) -> dict[str, torch.Tensor]:
     """Projected gradients ``{layer: [Q, Ko, Ki]}`` of each item's loss through ``capture`` (a
     :class:`~olmo_tda.capture.GradientCapture` on ``model``).
 
     ``items``: ``(token ids, first)`` per query; its loss is ``Σ_{t >= first} -log p(x_t | x_<t)``
     (``first = 1``: every token's). ``logits(model, ids [1, T]) -> [1, T, V]`` (default
     ``model(ids).logits``). The model's parameter gradients are left cleared.
+
+    ``store``: when its rows were projected with several eigenbasis versions (``store.bases``, a
+    basis that follows the run), the queries are projected with each (one backward per version;
+    ``capture`` is left on the last) and a :class:`~olmo_tda.methods.base.BasisQueries` is returned.
     """
+    versions = list(getattr(store, "bases", None) or [])
+    if versions:
+        from .base import BasisQueries, ProjectedQueries
+
+        out = BasisQueries()
+        for digest in versions:
+            capture.use_basis(store.load_basis(digest))
+            out[digest] = ProjectedQueries(query_gradients(model, capture, items, logits=logits), digest)
+        return out
     from ..capture import activation_grads_only
 
     forward = logits or (lambda m, ids: m(ids).logits)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..ops import inner
-from .base import AttributionResult, _top_unique
+from .base import AttributionResult, BasisQueries, _top_unique
 
 __all__ = ["tracin_cp", "tracin_inrun", "top_examples", "nearest_checkpoint"]
 
@@ -138,10 +138,18 @@ def tracin_inrun(store: Any, query_grads_at: Callable[[int], Grads], checkpoint_
         for c in np.unique(which):
             if ck[c] not in cache:
                 cache[ck[c]] = query_grads_at(ck[c])
+                versions = cache[ck[c]].values() if isinstance(cache[ck[c]], BasisQueries) else [cache[ck[c]]]
                 for name in chosen:
-                    _check_finite(cache[ck[c]][name], f"query gradients of layer {name} at checkpoint step {ck[c]}")
+                    for grads in versions:
+                        _check_finite(grads[name], f"query gradients of layer {name} at checkpoint step {ck[c]}")
             rows = np.flatnonzero(which == c)
-            part = _flat_dot(cache[ck[c]], {n: block.grads[n][rows] for n in chosen}, chosen)
+            queries = cache[ck[c]]
+            if isinstance(queries, BasisQueries):       # a basis that follows the run: the block's version
+                queries = queries.version(block.basis)
+            elif getattr(block, "basis", None) is not None:
+                raise ValueError(f"the store's rows were projected with eigenbasis versions; query_grads_at must "
+                                 f"return BasisQueries (one projection per version), got {type(queries).__name__}")
+            part = _flat_dot(queries, {n: block.grads[n][rows] for n in chosen}, chosen)
             if scores is None:
                 scores = torch.zeros(part.shape[0], len(block.ids), dtype=torch.float64)
             scores[:, rows] = part

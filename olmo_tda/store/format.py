@@ -8,11 +8,14 @@ A store is a directory::
     shards/r00000-00000000.h5  one HDF5 file per rank per flush; immutable once renamed into place
     locks/r00000.lock          held (flock) by the live writer of rank 0; tells readers it is alive
     quarantine/                unreadable shards moved aside by ``repair=True``
+    bases/<digest>.safetensors  eigenbasis versions a following basis projected rows with (immutable)
 
 A *row* is one (example id, step) pair: the compact gradient of one example at one optimizer step.
 Inside a shard (N rows, layer ``i`` of ``store.json["layers"]`` with shape ``[k_out, k_in]``)::
 
-    attrs: format_version, rank, seq, num_rows, step_min, step_max, dtype
+    attrs: format_version, rank, seq, num_rows, step_min, step_max, dtype, and basis (the digest of
+           the eigenbasis version of its rows, when the run's basis follows training; its file is
+           bases/<digest>.safetensors)
     ids          int64   [N]   global example (data) index
     steps        int64   [N]   optimizer step
     lr           float64 [N]   learning rate of that step
@@ -84,6 +87,7 @@ SHARD_DIR = "shards"
 LOCK_DIR = "locks"
 SEGMENT_DIR = "index"
 QUARANTINE_DIR = "quarantine"
+BASES_DIR = "bases"
 TMP_SUFFIX = ".tmp"
 CRC_ATTR = "crc32"
 _SHARD_RE = re.compile(r"^r(\d{5})-(\d{8})\.h5$")
@@ -252,14 +256,23 @@ class ShardInfo:
     step_min: int
     step_max: int
     bytes: int
+    basis: str | None = None
+    """Digest of the eigenbasis version its rows were projected with (a basis that follows the run),
+    or None (the store's one projection)."""
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        data = dict(self.__dict__)
+        if data["basis"] is None:
+            del data["basis"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ShardInfo":
+        basis = data.get("basis")
+        if basis is not None and not isinstance(basis, str):
+            raise ValueError(f"shard {data.get('file')}: basis must be a digest string, got {basis!r}")
         return cls(data["file"], data["rank"], data["seq"], data["num_rows"], data["step_min"], data["step_max"],
-                   data["bytes"])
+                   data["bytes"], basis)
 
 
 def shard_name(rank: int, seq: int) -> str:
@@ -284,12 +297,12 @@ def open_h5(path: str | os.PathLike, mode: str = "r") -> h5py.File:
 
 
 def write_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]], num_layers: int,
-                dtype: StoreDType, compression: str | None) -> ShardInfo:
+                dtype: StoreDType, compression: str | None, basis: str | None = None) -> ShardInfo:
     """Write ``chunks`` as shard ``(rank, seq)`` atomically and durably; return its :class:`ShardInfo`.
 
     See :func:`prepare_shard` for ``chunks``. On failure no file of that name is created or changed.
     """
-    tmp, info = prepare_shard(root, rank, seq, chunks, num_layers, dtype, compression)
+    tmp, info = prepare_shard(root, rank, seq, chunks, num_layers, dtype, compression, basis)
     commit_shard(root, tmp, info)
     return info
 
@@ -306,7 +319,7 @@ def commit_shard(root: Path, tmp: Path, info: ShardInfo) -> None:
 
 
 def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]], num_layers: int,
-                  dtype: StoreDType, compression: str | None) -> tuple[Path, ShardInfo]:
+                  dtype: StoreDType, compression: str | None, basis: str | None = None) -> tuple[Path, ShardInfo]:
     """Write and fsync shard ``(rank, seq)`` under its temp name; return ``(tmp_path, info)``.
 
     Each chunk is ``{"ids": int64[n], "steps": int64[n], "lr": float64[n], "loss_scale": float64[n],
@@ -336,7 +349,7 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
         f.attrs.update({"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "rank": rank,
                         "seq": seq, "num_rows": n, "step_min": int(steps.min()),
                         "step_max": int(steps.max()), "dtype": StoreDType(dtype).value,
-                        "num_layers": num_layers})
+                        "num_layers": num_layers, **({"basis": basis} if basis else {})})
         for name, values in (("ids", ids), ("steps", steps),
                              ("lr", np.concatenate([c["lr"] for c in chunks]).astype(np.float64)),
                              ("loss_scale", np.concatenate([c["loss_scale"] for c in chunks]).astype(np.float64))):
@@ -381,7 +394,7 @@ def prepare_shard(root: Path, rank: int, seq: int, chunks: list[dict[str, Any]],
         _remove_quietly(tmp)
         raise
     return tmp, ShardInfo(file=shard_name(rank, seq), rank=rank, seq=seq, num_rows=n,
-                          step_min=int(steps.min()), step_max=int(steps.max()), bytes=structure.size)
+                          step_min=int(steps.min()), step_max=int(steps.max()), bytes=structure.size, basis=basis)
 
 
 def _crc32(parts: list[np.ndarray]) -> np.uint32:
@@ -501,8 +514,10 @@ def read_shard_info(root: Path, rel: str, layer_shapes: list[tuple[int, int]], d
             steps = f["steps"][:]
             _ = [f[key][n - 1] for key in ("ids", "lr", "loss_scale")]
             _ = [f[f"grads/L{i:04d}"][n - 1] for i in range(len(layer_shapes))]
+            basis = f.attrs.get("basis")
             info = ShardInfo(file=rel, rank=int(f.attrs["rank"]), seq=int(f.attrs["seq"]), num_rows=n,
-                             step_min=int(steps.min()), step_max=int(steps.max()), bytes=path.stat().st_size)
+                             step_min=int(steps.min()), step_max=int(steps.max()), bytes=path.stat().st_size,
+                             basis=None if basis is None else str(basis))
     except StoreCorruptError:
         raise
     except (OSError, KeyError, ValueError, RuntimeError) as e:

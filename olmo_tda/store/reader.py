@@ -53,7 +53,7 @@ import torch
 from olmo_tda.config import StoreConfig, StoreDType
 
 from .errors import StoreCorruptError, StoreError
-from .format import (CRC_ATTR, STORE_JSON, ShardInfo, dataset_crc32, decode_grads, disk_dtype, open_h5,
+from .format import (BASES_DIR, CRC_ATTR, STORE_JSON, ShardInfo, dataset_crc32, decode_grads, disk_dtype, open_h5,
                      stored_shape)
 from .record import LowRank, cat_rows
 from .manifest import COUNTERS, RankState, manifest_path, scan_store
@@ -82,6 +82,9 @@ class GradientBlock:
     grads: dict[str, "torch.Tensor | LowRank"] = field(default_factory=dict)
     """layer name -> float32 ``[n, k_out, k_in]`` (decoded from the store dtype), or
     :class:`~olmo_tda.store.record.LowRank` factors for a layer stored with a rank (see :attr:`GradientStore.layer_ranks`)."""
+    basis: str | None = None
+    """Digest of the eigenbasis version every row of the block was projected with (a basis that
+    follows the run; a block never mixes versions), or None (the store's one projection)."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -335,11 +338,37 @@ class GradientStore:
         row_bytes = 4 * sum(int(np.prod(stored_shape(self.meta["layers"][i]))) for _, i in indices)
         return int(min(MAX_BLOCK_ROWS, max(1, BLOCK_BYTES // max(1, row_bytes))))
 
+    @property
+    def bases(self) -> list[str]:
+        """Digests of the eigenbasis versions the rows were projected with, in store order of first
+        use (empty: the store has one projection, named in ``store.json``)."""
+        return list(dict.fromkeys(info.basis for info in self.shards if info.basis is not None))
+
+    def basis_path(self, digest: str) -> Path:
+        """The file of eigenbasis version ``digest``: ``bases/<digest>.safetensors``."""
+        return self.path / BASES_DIR / f"{digest}.safetensors"
+
+    def load_basis(self, digest: str) -> Any:
+        """Eigenbasis version ``digest`` (verified against its digest); a missing file is an error
+        that names it."""
+        from ..capture.eigenbasis import EigenBasis, EigenBasisError
+
+        path = self.basis_path(digest)
+        if not path.is_file():
+            raise EigenBasisError(f"gradient store {self.path}: rows were projected with eigenbasis version "
+                                  f"{digest[:16]}, whose file {path} is missing (restore it from a copy of the store)")
+        basis = EigenBasis.open(path)
+        if basis.digest != digest:
+            raise EigenBasisError(f"gradient store {self.path}: {path} holds eigenbasis {basis.digest[:16]}, not the "
+                                  f"version {digest[:16]} its name says (the file was replaced)")
+        return basis
+
     def iter_blocks(self, layers: Iterable[str] | None = None, block_size: int | None = None,
                     steps: Iterable[int] | None = None, ids: Iterable[int] | None = None,
-                    readahead: bool = True) -> Iterator[GradientBlock]:
+                    readahead: bool = True, basis: str | None = None) -> Iterator[GradientBlock]:
         """Stream rows in blocks of at most ``block_size`` rows (the last may be smaller; None:
-        :meth:`block_rows`, sized by bytes).
+        :meth:`block_rows`, sized by bytes). A block holds the rows of one eigenbasis version
+        (``block.basis``); ``basis``: only that version's rows.
 
         ``layers``: names to decode (default all); ``steps`` / ``ids``: keep only rows whose step /
         example id is in the given collection. Row order is shard order (see :attr:`shards`),
@@ -357,7 +386,8 @@ class GradientStore:
         pending: list[GradientBlock] = []
         n_pending = 0
         visit = [info for info in self.shards
-                 if step_set is None or _range_hits(step_set, info.step_min, info.step_max)]
+                 if (step_set is None or _range_hits(step_set, info.step_min, info.step_max))
+                 and (basis is None or info.basis == basis)]
         needed = [*_KEY_COLUMNS, *(f"grads/L{i:04d}" for _, i in indices)]
         for info, shard in self._opened(visit, [i for _, i in indices], readahead and id_set is None):
             with shard:
@@ -374,6 +404,9 @@ class GradientStore:
                 if len(rows) == 0:
                     continue
                 lr, loss_scale = shard.read("lr"), shard.read("loss_scale")
+                if pending and pending[-1].basis != info.basis:     # a block holds one basis version
+                    yield _concat(pending, indices)
+                    pending, n_pending = [], 0
                 pos = 0
                 while pos < len(rows):
                     take = rows[pos:pos + block_size - n_pending]
@@ -381,7 +414,7 @@ class GradientStore:
                     grads = {name: self._wrap(name, decode_grads(shard.read(f"grads/L{i:04d}", take), self.dtype))
                              for name, i in indices}
                     pending.append(GradientBlock(ids=shard_ids[take], steps=shard_steps[take], lr=lr[take],
-                                                 loss_scale=loss_scale[take], grads=grads))
+                                                 loss_scale=loss_scale[take], grads=grads, basis=info.basis))
                     n_pending += len(take)
                     if n_pending == block_size:
                         yield _concat(pending, indices)
@@ -390,9 +423,14 @@ class GradientStore:
             yield _concat(pending, indices)
 
     def read_all(self, layers: Iterable[str] | None = None, steps: Iterable[int] | None = None,
-                 ids: Iterable[int] | None = None) -> GradientBlock:
-        """Every selected row as one block (for small stores and tests; memory = whole selection)."""
-        blocks = list(self.iter_blocks(layers, block_size=max(1, self.num_rows), steps=steps, ids=ids))
+                 ids: Iterable[int] | None = None, basis: str | None = None) -> GradientBlock:
+        """Every selected row as one block (for small stores and tests; memory = whole selection).
+        A store of several eigenbasis versions needs ``basis`` (rows of two versions are not one block)."""
+        blocks = list(self.iter_blocks(layers, block_size=max(1, self.num_rows), steps=steps, ids=ids, basis=basis))
+        if len(blocks) > 1:
+            raise ValueError(f"gradient store {self.path} holds rows of {len(self.bases)} eigenbasis versions "
+                             f"({', '.join(d[:12] for d in self.bases)}): read one with read_all(..., basis=digest), "
+                             "or stream them with iter_blocks")
         if blocks:
             return blocks[0]
         empty = {name: self._wrap(name, torch.zeros((0, *stored_shape(self.meta["layers"][i]))))
@@ -733,4 +771,4 @@ def _concat(pieces: list[GradientBlock], indices: list[tuple[str, int]]) -> Grad
     return GradientBlock(
         ids=np.concatenate([p.ids for p in pieces]), steps=np.concatenate([p.steps for p in pieces]),
         lr=np.concatenate([p.lr for p in pieces]), loss_scale=np.concatenate([p.loss_scale for p in pieces]),
-        grads={name: cat_rows([p.grads[name] for p in pieces]) for name, _ in indices})
+        grads={name: cat_rows([p.grads[name] for p in pieces]) for name, _ in indices}, basis=pieces[0].basis)

@@ -98,6 +98,10 @@ class GradientRecord:
     ``[N]`` per row when micro-batches were normalized differently (e.g. a token mean per DeepSpeed
     micro-batch)."""
     grads: dict[str, "torch.Tensor | LowRank"] = field(default_factory=dict)
+    basis: str | None = None
+    """Digest of the eigenbasis version the rows were projected with, when the run's basis follows
+    training (``capture.basis_every``); the store keeps it per shard. None: one projection for the
+    whole store (named in ``store.json``)."""
 
     def __post_init__(self) -> None:
         self.ids = np.asarray(self.ids, dtype=np.int64).reshape(-1)

@@ -106,6 +106,7 @@ class StoreWriter:
         self._window = _Window([stored_shape(layer) for layer in store_meta["layers"]], disk_dtype(self.dtype),
                                keep_bytes=config.flush_mb * 2 ** 20)
         self._window_keys: dict[int, list[np.ndarray]] = {}
+        self._window_basis: str | None = None     # the eigenbasis version of the window's rows
         self._finite: np.ndarray | None = None     # per-record scratch of _encode_into
         self._step_keys: StepKeys | None = None   # ids held at the step last appended to
         self._window_nonfinite: list[tuple[int, np.ndarray]] = []
@@ -199,9 +200,12 @@ class StoreWriter:
                 raise ValueError(f"gradient store {self.path}: grads[{name!r}] is {tuple(g.shape)} "
                                  f"{getattr(g, 'dtype', '')}, expected [N, "
                                  f"{', '.join(map(str, self.layer_shapes[name]))}] float")
+        if record.basis is not None and not (isinstance(record.basis, str) and record.basis):
+            raise ValueError(f"gradient store {self.path}: record for step {record.step} has basis "
+                             f"{record.basis!r}; expected an eigenbasis digest (str) or None")
         item = GradientRecord(ids=np.array(record.ids, dtype=np.int64), step=int(record.step),
                               lr=float(record.lr), loss_scale=record.loss_scale,
-                              grads={name: g.detach() for name, g in record.grads.items()})
+                              grads={name: g.detach() for name, g in record.grads.items()}, basis=record.basis)
         self._put(item)
         self._raise_pending()
 
@@ -265,6 +269,13 @@ class StoreWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def bases(self) -> list[str]:
+        """Digests of the eigenbasis versions of this rank's shards (see ``GradientStore.bases``)."""
+        with self._mutex:
+            infos = sorted(self._state.shards.values(), key=lambda info: info.seq)
+        return list(dict.fromkeys(info.basis for info in infos if info.basis is not None))
 
     @property
     def store_id(self) -> str | None:
@@ -415,6 +426,9 @@ class StoreWriter:
             item = self._queue.get()
             if isinstance(item, GradientRecord):
                 try:
+                    if self._window.rows and item.basis != self._window_basis:
+                        self._write_window()        # a shard holds the rows of one basis version
+                    self._window_basis = item.basis
                     self._ingest(item)
                 except Exception as e:  # noqa: BLE001 - surfaced in the caller thread
                     self._fail(e, f"ingesting the record of step {item.step}", retryable=False)
@@ -566,7 +580,7 @@ class StoreWriter:
         if self._window.rows:
             seq = self._state.next_seq
             info = write_shard(self.path, self.rank, seq, self._window.chunks(), len(self.layers), self.dtype,
-                               self._config.compression)
+                               self._config.compression, self._window_basis)
             with self._mutex:
                 self._state.shards[seq] = info
                 self._state.next_seq = seq + 1
@@ -630,7 +644,7 @@ class StoreWriter:
             for info in partial:
                 chunk = _read_rows_up_to(self.path / info.file, step, len(self.layers))
                 prepared.append(prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
-                                              self.dtype, self._config.compression))
+                                              self.dtype, self._config.compression, info.basis))
             truncated = state.copy()
             truncated.truncations.append(int(step))
             # set while the files lag the manifest: other ranks' writers then stat these shards (and
