@@ -40,12 +40,21 @@ Protocol (Park et al., TRAK, 2023), everything seeded:
   Σ_{i∈S_j} score(q, i) and LDS = mean over queries of Spearman(prediction_j, −loss_j) across subsets.
   ± is the standard error over queries. Time per row: its gradients (capture + store write, shared
   by graddot and influence and counted in each) plus scoring; TracIn recomputes them at every checkpoint.
+- Adam rows (``--adam``): the attribution model's final AdamW ``exp_avg_sq`` gives TrackStar's
+  preconditioner ``u = 1/(√v̂ + ε)``, applied to the stored rows as ``olmo_tda.methods.optimizer``
+  approximates it (rank-1 ``u ≈ r cᵀ``, mapped into the projected space: ``M_out Ĝ M_inᵀ``) on the
+  ``k=proj_dim`` random store, the unprojected one and the compact eigenbasis store: ``adam-graddot``
+  and ``adam-gradcos`` (both sides corrected, TrackStar), ``less-gradcos`` (training side only, LESS),
+  ``adam-diag-gradcos`` (the diagonal of M only), next to plain ``gradcos``; ``adam-scaled-*``: the same
+  rank-1 ``u`` applied exactly before projection (a second capture under ``GradientCapture.scaled``);
+  on the unprojected store also the exact TrackStar (``trackstar-*``: the full elementwise ``u``).
 - Runs on one torch thread (``--threads``): the matmuls are tiny and a second thread on a shared
   2-core machine made retrains several times slower.
 
     python benchmarks/lds.py                 # 256 train, 32 queries, 64 subsets × 2 seeds (~10 min, 2 cores)
     python benchmarks/lds.py --quick         # 128 train, 16 queries, 32 subsets × 2 seeds (~2.5 min)
     python benchmarks/lds.py --retrains 128 --proj-dim 16
+    python benchmarks/lds.py --quick --adam  # + Adam-corrected (TrackStar / LESS) rows
 
 Prints a table, then one JSON line of the headline numbers (last line).
 """
@@ -53,6 +62,7 @@ Prints a table, then one JSON line of the headline numbers (last line).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -71,9 +81,12 @@ from olmo_tda.capture.hooks import select_linears
 from olmo_tda.config import ProjectionType, StoreDType
 from olmo_tda.demo.corpus import ByteTokenizer, build_passages
 from olmo_tda.methods.influence import JOINT_MAX_DIM
+from olmo_tda.methods.optimizer import AdamCorrection
 from olmo_tda.methods.tracin import tracin_cp
 
 QUICK = {"num_train": 128, "num_queries": 16, "retrains": 32}
+ADAM_FIT: dict[str, float] = {}
+"""``{row tag: worst rms log residual of the rank-1 fit of u over layers}`` of the ``--adam`` rows."""
 
 
 def make_model(args, seed: int):
@@ -89,7 +102,8 @@ def make_model(args, seed: int):
 
 
 def train(args, data: torch.Tensor, init_seed: int, order_seed: int, keep_every: int = 0):
-    """Train a fresh model on ``data``; return it and, if ``keep_every``, the weights every that many steps."""
+    """Train a fresh model on ``data``; return it, if ``keep_every`` the weights every that many steps, the
+    number of steps and the optimizer (its final state: ``--adam``)."""
     model = make_model(args, init_seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(order_seed)
@@ -108,7 +122,7 @@ def train(args, data: torch.Tensor, init_seed: int, order_seed: int, keep_every:
     if keep_every and kept[-1].step != step:      # the final weights are always a TracIn checkpoint
         kept.append(SimpleNamespace(step=step, lr=args.lr, tracin_lr=args.lr,
                                     state={k: v.clone() for k, v in model.state_dict().items()}))
-    return model, kept, step
+    return model, kept, step, opt
 
 
 @torch.no_grad()
@@ -129,7 +143,7 @@ def ground_truth(args, train_data, queries):
     for j in range(args.retrains):
         masks[j, np.random.default_rng(10_000 + j).choice(n, n // 2, replace=False)] = True
         for r in range(2):
-            model, _, _ = train(args, train_data[torch.from_numpy(masks[j])], init_seed=1 + r,
+            model, _, _, _ = train(args, train_data[torch.from_numpy(masks[j])], init_seed=1 + r,
                                 order_seed=100_000 * (r + 1) + j)
             losses[r, j] = query_losses(model, queries)
     return masks, losses
@@ -202,11 +216,55 @@ def eigen_store(args, model, train_data, store: Path, steps: int, cfg: CaptureCo
     return GradientCapture(model, cfg)
 
 
+def adam_options(opt, model, cap, exact: bool) -> tuple[list, float, AdamCorrection]:
+    """``([(label, attribute options)], seconds to build the corrections, the kron correction)`` of the
+    ``--adam`` rows."""
+    t0 = time.perf_counter()
+    kron = AdamCorrection.from_optimizer(opt, model, cap)
+    options = [("gradcos", {"method": "gradcos"}),
+               ("adam-graddot", {"method": "adam-graddot", "correction": kron}),
+               ("adam-gradcos", {"method": "adam-gradcos", "correction": kron}),
+               ("less-gradcos", {"method": "adam-gradcos", "correction": kron, "sides": "train"})]
+    if exact:
+        elem = AdamCorrection.from_optimizer(opt, model, cap, mode="elementwise")
+        options += [("trackstar-graddot", {"method": "adam-graddot", "correction": elem}),
+                    ("trackstar-gradcos", {"method": "adam-gradcos", "correction": elem})]
+    else:
+        diag = AdamCorrection.from_optimizer(opt, model, cap, mode="diag")
+        options.append(("adam-diag-gradcos", {"method": "adam-gradcos", "correction": diag}))
+    return options, time.perf_counter() - t0, kron
+
+
+def adam_scaled_rows(args, model, cap, store_cfg: CaptureConfig, dtype: StoreDType, train_data, queries, steps: int,
+                     store: Path, tag: str, corr: AdamCorrection) -> dict:
+    """``adam-scaled-*`` rows: the rank-1 fit applied exactly at capture (``GradientCapture.scaled``, no
+    captured-subspace assumption) into a second store of the same projectors (``store_cfg``), queries
+    through ``cap``, scored by plain graddot and gradcos; time includes the second capture."""
+    t0 = time.perf_counter()
+    with cap.pause():
+        writer_cap = GradientCapture(model, store_cfg)
+        with writer_cap.scaled(corr.scales()), \
+                GradientStore.create(store, writer_cap.store_metadata(), StoreConfig(dtype=dtype)) as writer:
+            for rec in recordings(writer_cap, model, train_data):
+                writer.append(rec.to_record(step=steps, lr=args.lr))
+        writer_cap.remove()
+    with cap.scaled(corr.scales()):
+        query_grads = stacked(cap, model, queries)
+    grad_s, rows = time.perf_counter() - t0, {}
+    for method in ("graddot", "gradcos"):
+        t0 = time.perf_counter()
+        res = attribute(store, query_grads, top_k=1, return_scores=True, projector_hash=cap.projector_hash,
+                        method=method)
+        rows[f"adam-scaled-{method} {tag}"] = (ordered(res, len(train_data)), grad_s + time.perf_counter() - t0)
+    return rows
+
+
 def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: int, work: Path,
-                       eigen: str | None = None) -> dict:
+                       eigen: str | None = None, opt=None) -> dict:
     """``{row label: (scores [Q, N], seconds)}`` of every method at one capture config (``eigen``: one of
     :func:`eigen_config`'s stores, scored by graddot and influence — the compact one by the default
-    influence only; no TracIn: the basis belongs to the final weights)."""
+    influence only; no TracIn: the basis belongs to the final weights). With ``opt`` (the model's
+    AdamW), also the ``--adam`` rows."""
     compact = eigen == "compact"
     if eigen:
         cfg, dtype, tag = eigen_config(args, eigen, model)
@@ -244,10 +302,20 @@ def attribution_scores(args, model, checkpoints, train_data, queries, proj_dim: 
     if proj_dim and not compact and width <= JOINT_MAX_DIM:
         options.append(("influence joint", {"method": "influence", "hessian": "joint",
                                             "damping_ratio": args.damping_ratio}))
+    build_s, corr = {}, None
+    if opt is not None:
+        extra, seconds, corr = adam_options(opt, model, cap, exact=not proj_dim)
+        ADAM_FIT[tag] = max(c.fit_error for c in corr.layers.values())
+        options += extra
+        build_s = {label: seconds for label, _ in extra if label != "gradcos"}
     for label, kw in options:
         t0 = time.perf_counter()
         res = attribute(store, query_grads, top_k=1, return_scores=True, projector_hash=cap.projector_hash, **kw)
-        rows[f"{label} {tag}"] = (ordered(res, n), grad_s + time.perf_counter() - t0)
+        rows[f"{label} {tag}"] = (ordered(res, n), grad_s + build_s.get(label, 0.0) + time.perf_counter() - t0)
+    if corr is not None and proj_dim:
+        store_cfg = dataclasses.replace(cfg, rank=args.compact_c) if eigen else CaptureConfig(proj_dim=proj_dim, seed=0)
+        rows.update(adam_scaled_rows(args, model, cap, store_cfg, dtype if eigen else StoreDType.FLOAT32, train_data,
+                                     queries, steps, Path(f"{store}-adam-scaled"), tag, corr))
     if eigen:
         cap.remove()
         return rows
@@ -294,6 +362,9 @@ def main(argv=None):
                         "(0: none)")
     p.add_argument("--budget-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the budget rows' store dtype")
+    p.add_argument("--adam", action="store_true",
+                   help="also score Adam-corrected rows (TrackStar/LESS, olmo_tda.methods.optimizer) with the final "
+                        "AdamW state, on the projected, unprojected and compact stores")
     p.add_argument("--damping-ratio", type=float, default=0.1)
     p.add_argument("--checkpoints", type=int, default=5, help="TracIn-CP checkpoints (evenly spaced, last = final)")
     p.add_argument("--threads", type=int, default=1,
@@ -312,17 +383,19 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     steps_full = args.epochs * -(-args.num_train // args.batch)
-    model, checkpoints, _ = train(args, train_data, init_seed=0, order_seed=0,
-                                  keep_every=max(1, steps_full // args.checkpoints))
+    model, checkpoints, _, opt = train(args, train_data, init_seed=0, order_seed=0,
+                                       keep_every=max(1, steps_full // args.checkpoints))
+    opt = opt if args.adam else None
     full_loss = query_losses(model, queries).mean()
     full_s = time.perf_counter() - t0
     rows = {}
     with tempfile.TemporaryDirectory(prefix="lds-") as work:
         for proj_dim in (args.proj_dim, 0):
-            rows.update(attribution_scores(args, model, checkpoints, train_data, queries, proj_dim, Path(work)))
+            rows.update(attribution_scores(args, model, checkpoints, train_data, queries, proj_dim, Path(work),
+                                           opt=opt))
         for eigen in ("compact",) * bool(args.compact_k) + ("even", "budget") * bool(args.budget_k):
             rows.update(attribution_scores(args, model, checkpoints, train_data, queries, args.proj_dim, Path(work),
-                                           eigen=eigen))
+                                           eigen=eigen, opt=opt if eigen == "compact" else None))
 
     t0 = time.perf_counter()
     masks, losses = ground_truth(args, train_data, queries)
@@ -340,7 +413,9 @@ def main(argv=None):
           f"(Spearman-Brown {ceiling:.3f})")
     print(f"{'method':<40} {'LDS':>7} {'± se':>6} {'time s':>7}")
     lds = {}
-    order = ["graddot", "tracin", "influence raw", "influence lorif", "influence ekfac", "influence joint"]
+    order = ["graddot", "tracin", "influence raw", "influence lorif", "influence ekfac", "influence joint", "gradcos",
+             "adam-graddot", "adam-gradcos", "less-gradcos", "adam-diag-gradcos", "adam-scaled-graddot",
+             "adam-scaled-gradcos", "trackstar-graddot", "trackstar-gradcos"]
 
     def split(label):            # (method, capture config: "k=32", "exact" or an eigen store's)
         method = next(m for m in order if label.startswith(m + " "))
@@ -358,8 +433,12 @@ def main(argv=None):
 
     def key(label):
         method, config = split(label)
-        return "lds_" + method.replace(" ", "_") + ("", "_exact", "_compact", "_eigen", "_budget")[config_rank(config)]
+        return ("lds_" + method.replace(" ", "_").replace("-", "_")
+                + ("", "_exact", "_compact", "_eigen", "_budget")[config_rank(config)])
 
+    if ADAM_FIT:
+        print("adam: rank-1 fit of 1/(sqrt(v)+eps), worst rms log residual over layers: "
+              + ", ".join(f"{tag} {err:.3f}" for tag, err in ADAM_FIT.items()))
     headline = {key(label): round(v[0], 4) for label, v in lds.items()}
     headline.update({key(label) + "_se": round(v[1], 4) for label, v in lds.items() if "exact" not in label})
     print(json.dumps({"benchmark": "lds", "retrains": args.retrains, "num_train": args.num_train,

@@ -16,6 +16,7 @@ Example: a store of 3 training rows, scored against one query (in practice both 
 
 from . import graddot as _graddot  # noqa: F401  (registers graddot, gradcos)
 from . import influence as _influence  # noqa: F401  (registers influence)
+from . import optimizer as _optimizer  # noqa: F401  (registers adam-graddot, adam-gradcos)
 from .base import (AttributionMethod, AttributionResult, BasisQueries, ProjectedQueries, attribute, available_methods,
                    get_method, register_method)
 
