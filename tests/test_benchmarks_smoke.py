@@ -111,6 +111,26 @@ def test_lds_runs():
         assert math.isfinite(res[key]) and -1.0 <= res[key] <= 1.0, (key, res[key])
 
 
+def test_lds_adam_arm_runs():
+    import math
+
+    res = _last_json("lds.py", "--num-train", "32", "--num-queries", "4", "--retrains", "4", "--epochs", "2",
+                     "--checkpoints", "2", "--proj-dim", "8", "--rank", "4", "--d-model", "16", "--n-layers", "1",
+                     "--compact-k", "8", "--compact-c", "2", "--budget-k", "0", "--adam")
+    adam = {k: v for k, v in res.items() if "adam" in k and isinstance(v, float)}
+    assert adam and all(math.isfinite(v) and -1.0 <= v <= 1.0 for v in adam.values()), adam
+
+
+def test_fidelity_in_run_runs():
+    res = _last_json("fidelity_in_run.py", "--steps", "16", "--points", "2", "--window", "2", "--queries", "3",
+                     "--train", "128", "--batch", "4", "--every", "8", "--k", "4", "--threads", "1")
+    for arm in ("random", "frozen", "following"):
+        assert -1.0 <= res[f"{arm}_min"] <= 1.0 and res[f"{arm}_row_error"] < 1e-2, (arm, res)
+    assert res["bytes_per_example"] == 2 * 4 * 4 * 9      # bf16 4 x 4 on 2 blocks x 4 Linears + the head
+    assert res["basis_versions"] >= 3 and 0 < res["refresh_overhead"] < 1
+    assert res["olmo_1b_bytes_per_example"] <= 32768      # the shipped OLMo-1B config's capture
+
+
 def test_influence_fit_runs():
     res = _last_json("influence_fit.py", "--num-rows", "300", "--k", "8", "--layers", "2", "--rank", "16",
                      "--rounds", "1")

@@ -340,6 +340,32 @@ def test_deepspeed_example_estimates_the_eigenbasis_over_both_ranks_batches(tmp_
             assert rel_err(getattr(mine, side), getattr(lb, side)) < 1e-6, (name, side)
 
 
+def test_deepspeed_zero2_two_ranks_follow_the_basis_with_identical_bits(tmp_path):
+    """capture.basis_every under DeepSpeed ZeRO-2 on 2 ranks (the example script): every rank's shards
+    name the same version at every step (identical bits: the digest hashes the matrices), versions
+    come in force the step after each refresh, and each version's file is whole."""
+    from olmo_tda.capture.following import refresh_steps
+    from olmo_tda.store import GradientStore
+
+    run = tmp_path / "run"
+    pretrain_two_ranks(tmp_path, [f"--run_dir={run}", "--model.d_model=32", "--model.embedding_size=257",
+                                  "--data.seq_len=32", "--model.max_sequence_length=32",
+                                  "--deepspeed.train_micro_batch_size_per_gpu=2", "--tda.capture.proj_dim=4",
+                                  "--tda.capture.proj_type=eigen", "--tda.capture.basis_every=4",
+                                  "--tda.capture.basis_batches=1", "--tda.capture.basis_tokens=32",
+                                  "--deepspeed.zero_optimization.stage=2", "--deepspeed.bf16.enabled=false",
+                                  "--steps=6", "--save_every=0"])
+    store = GradientStore.open(run / "tda" / "store")
+    per_rank = {r: {s: info.basis for info in store.shards if info.rank == r
+                    for s in range(info.step_min, info.step_max + 1)} for r in (0, 1)}
+    assert per_rank[0] == per_rank[1] and sorted(per_rank[0]) == list(range(1, 7))
+    steps = per_rank[0]
+    changes = [s for s in sorted(steps) if s == 1 or steps[s] != steps[s - 1]]
+    assert changes == [1] + [s + 1 for s in refresh_steps(4, 5)]
+    for digest in store.bases:
+        assert store.load_basis(digest).digest == digest
+
+
 def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store(tmp_path):
     """The Megatron-style example (OLMo under deepspeed.initialize, ZeRO-2, bf16) on 2 ranks: a Slurm
     job's attempt stopped before its first checkpoint (1 step, none saved), its requeue starts over

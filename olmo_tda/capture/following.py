@@ -9,9 +9,10 @@ A refresh costs no extra forward or backward. During the ``capture.basis_batches
 refresh step, :class:`TokenSampler` keeps ``capture.basis_tokens`` token rows per rank of each
 Linear's input ``a`` and output gradient ``g`` (evenly spaced within each micro-batch); at the
 refresh step the new top-k eigenvectors of ``E[a aᵀ]`` and ``E[g gᵀ]`` come from those rows by
-subspace iteration started at the previous version (:func:`refreshed_basis`): ``iters`` products
-``Xᵀ(X V)`` with the ``T × n`` sample ``X``, then a Rayleigh-Ritz step; a side narrow enough
-(``n <= 4·(k + oversample)``) takes the exact ``eigh`` of ``XᵀX`` instead. Distributed, the ``n × m``
+subspace iteration started at the previous version plus ``OVERSAMPLE`` seeded columns
+(:func:`refreshed_basis`): ``ITERS`` products ``Xᵀ(X V)`` (float32) with the ``T × n`` sample ``X``,
+then a Rayleigh-Ritz step (float64); a side no wider than the subspace takes the exact ``eigh`` of
+``XᵀX`` instead. Distributed, the ``n × m``
 products and the small Rayleigh-Ritz matrices are summed over the ranks and rank 0's result is
 broadcast, so every rank holds identical bits. Each layer keeps its widths, so every version's
 rows have the store's shapes.
@@ -46,8 +47,11 @@ EARLY_DIVISORS = (16, 8, 4, 2)
 """Early refreshes at ``basis_every // d`` for each ``d``: the weights of a run from scratch move
 fastest at the start, where a basis of step 0 decays within tens of steps."""
 OVERSAMPLE = 8
-"""Extra directions carried by the subspace iteration (at least this many, and at least k)."""
-ITERS = 4
+"""Extra directions carried by the subspace iteration."""
+ITERS = 1
+"""Products ``Xᵀ(X V)`` per refresh before the Rayleigh-Ritz step: started at the previous version
+(near the new one), one keeps 99.9%+ of the variance the exact top-k keeps (tests/test_following_basis.py);
+in the in-run benchmark two were no better and cost 40% more."""
 
 
 def refresh_steps(every: int, up_to: int) -> list[int]:
@@ -136,24 +140,24 @@ def _fix_signs(rows: torch.Tensor) -> torch.Tensor:
 def _top_rows(x_TN: torch.Tensor | None, n: int, k: int, warm_KN: torch.Tensor, world: bool,
               iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor, float, int]:
     """``(rows [k, n] float32, eigenvalues [k] float64, trace, tokens)`` of ``E[x xᵀ]`` over the
-    sampled rows of every rank (``x_TN`` float64, None: this rank saw none), started at ``warm_KN``."""
-    x = x_TN if x_TN is not None else torch.zeros(0, n, dtype=torch.float64, device=_comm_device() if world else "cpu")
-    tokens = int(_sum(torch.tensor([float(x.shape[0])], dtype=torch.float64), world).item())
-    trace = float(_sum(x.square().sum().reshape(1), world).item())
-    m = min(n, k + max(OVERSAMPLE, k))
-    if n <= 4 * m:                                      # narrow: the exact eigendecomposition
-        values, vectors = torch.linalg.eigh(_sum(x.T @ x, world))
+    sampled rows of every rank (``x_TN`` float32, None: this rank saw none), started at ``warm_KN``.
+    The products run in float32 (the rows are float32 samples), the small eigendecompositions in
+    float64."""
+    x = x_TN if x_TN is not None else torch.zeros(0, n, device=_comm_device() if world else "cpu")
+    tokens = int(_sum(torch.tensor([float(x.shape[0])], dtype=torch.float64, device=x.device), world).item())
+    trace = float(_sum(torch.linalg.vector_norm(x).square().reshape(1), world).item())
+    m = min(n, k + OVERSAMPLE)
+    if n <= m:                                          # narrow: the exact eigendecomposition
+        values, vectors = torch.linalg.eigh(_sum(x.T @ x, world).double())
         values, rows = values.flip(0)[:k], vectors.flip(1).T[:k]
     else:
         gen = torch.Generator().manual_seed(n * 1_000_003 + k)  # the same extra columns on every rank
-        start = torch.cat([warm_KN.to(torch.float64).T, torch.randn(n, m - warm_KN.shape[0], generator=gen,
-                                                                      dtype=torch.float64)], dim=1).to(x.device)
-        q = torch.linalg.qr(start).Q
-        for _ in range(iters):
+        q = torch.cat([warm_KN.T.float(), torch.randn(n, m - warm_KN.shape[0], generator=gen)], dim=1).to(x.device)
+        for _ in range(iters):      # (the first product needs no orthonormal start: its range is what counts)
             q = torch.linalg.qr(_sum(x.T @ (x @ q), world)).Q
         xq = x @ q
-        values, small = torch.linalg.eigh(_sum(xq.T @ xq, world))         # Rayleigh-Ritz on span(q)
-        values, rows = values.flip(0)[:k], (q @ small.flip(1)).T[:k]
+        values, small = torch.linalg.eigh(_sum(xq.T @ xq, world).double())   # Rayleigh-Ritz on span(q)
+        values, rows = values.flip(0)[:k], (q.double() @ small.flip(1)).T[:k]
     scale = max(tokens, 1)
     return (_fix_signs(rows.cpu().contiguous()).float().contiguous(), (values.cpu().clamp(min=0) / scale).contiguous(),
             trace / scale, tokens)
@@ -177,8 +181,8 @@ def refreshed_basis(previous: EigenBasis, samples: dict[str, tuple[torch.Tensor,
             if x is not None and x.shape[1] != n:
                 raise EigenBasisError(f"refreshing eigenbasis layer {name!r}: sampled {side}put rows have width "
                                       f"{x.shape[1]}, the basis {n}")
-            x64 = None if x is None else x.detach().to(torch.float64)     # on its device (a GPU: fast float64)
-            new_rows, values, trace, tokens = _top_rows(x64, n, rows.shape[0], rows, world)
+            x32 = None if x is None else x.detach().float()           # on its device
+            new_rows, values, trace, tokens = _top_rows(x32, n, rows.shape[0], rows, world)
             if tokens == 0:         # the same on every rank: the sum of the counts
                 log.warning("refreshing the eigenbasis: layer %s got no sampled token rows on any rank (no gradient "
                             "in the sampled steps): its %sput side keeps the previous version's directions", name, side)

@@ -53,9 +53,11 @@ import torch
 import torch.distributed as dist
 
 from ..capture import GradientCapture, activation_grads_only, estimate_eigenbasis
+from ..capture.eigenbasis import EigenBasisError
 from ..capture.hooks import Recording, _in_backward
 from ..config import ConfigError, LossReduction, ProjectionType, TDAConfig
 from ..store import GradientRecord, GradientStore
+from ..store.format import BASES_DIR
 from ..store.record import cat_rows
 from . import check_rows_continue, cut_departed_ranks, decided_on_rank0, resume_state, sum_over_ranks
 
@@ -228,9 +230,6 @@ class DeepSpeedTDA:
             raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
                               "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
         eigen = config.capture.proj_type is ProjectionType.EIGEN and not config.capture.exact
-        if config.capture.basis_every:
-            raise ConfigError("tda.capture.basis_every: a basis that follows the run is re-estimated by the OLMo "
-                              "trainer only; with DeepSpeed keep basis_every: 0 (a frozen basis) for now")
         if capture is None and eigen and not (config.capture.basis and Path(config.capture.basis).is_file()):
             what = f"{config.capture.basis} does not exist: estimate it" if config.capture.basis else \
                 "none is set: set tda.capture.basis to a path, then estimate the file"
@@ -242,6 +241,15 @@ class DeepSpeedTDA:
                                                           "zero_stage": int(engine.zero_optimization_stage()),
                                                           "gradient_accumulation_steps": self._gas()}}
         self.store = GradientStore.create(Path(config.store.path), meta, config.store, rank=_rank())
+        self.follower = None
+        if self.capture.basis is not None:      # capture.basis_every: the basis follows the run
+            from ..capture.following import BasisFollower
+
+            self.follower = BasisFollower(engine.module, self.capture, self.capture.config,
+                                          Path(config.store.path) / BASES_DIR, writer=_rank() == 0,
+                                          distributed=_world_size() > 1,
+                                          barrier=dist.barrier if _world_size() > 1 else None)
+            self.follower.start(1)      # a resume replaces the history with its checkpoint's
         self.trajectory = None
         self._tokens_seen = 0
         if config.trajectory.enabled:
@@ -273,6 +281,8 @@ class DeepSpeedTDA:
         if not torch.is_grad_enabled() or _in_backward() or self.capture.paused:
             return                          # evaluation, or an activation-checkpoint recompute
         self._close_open()
+        if self.follower is not None:       # samples this step's token rows when a refresh is near
+            self.follower.before_step(int(self.engine.global_steps) + 1)
         ids, divisor = self._read_batch(args, kwargs)
         stack = contextlib.ExitStack()
         self._open_rec = stack.enter_context(self.capture.record(ids, loss_scale=divisor * self._gas()))
@@ -393,6 +403,8 @@ class DeepSpeedTDA:
         records, self._pending = self._pending, []
         if engine.was_step_applied():
             self._commit(records, step=int(engine.global_steps), lr=lr)
+            if self.follower is not None:   # after the commit: this step's rows are the old version's
+                self.follower.after_step(int(engine.global_steps))
             if self.trajectory is not None:
                 self.trajectory.maybe_save(int(engine.global_steps), self._full_weights, lrs=lrs,
                                            tokens_seen=self._tokens_seen)
@@ -412,7 +424,8 @@ class DeepSpeedTDA:
         parts = [r.stored() for r in records]          # dense, or LoRIF factors with capture.rank
         grads = {name: cat_rows([p[name] for p in parts]) if len(parts) > 1 else parts[0][name]
                  for name in parts[0]}
-        self.store.append(GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads))
+        self.store.append(GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads,
+                                         basis=records[0].basis_version))
         self.steps_committed += 1
         self.rows_captured += len(ids)
 
@@ -459,6 +472,7 @@ class DeepSpeedTDA:
         return {"store": str(self.store.path), "store_id": self.store.store_id, "step": int(self.engine.global_steps),
                 "projector_hash": self.capture.projector_hash, "tokens_seen": self._tokens_seen,
                 "trajectory": self.trajectory.state_dict() if self.trajectory is not None else None,
+                **({"basis": self.follower.state_dict()} if self.follower is not None else {}),
                 **resume_state(self.store)}
 
     def load_state_dict(self, state: Mapping | None) -> None:
@@ -479,6 +493,11 @@ class DeepSpeedTDA:
         if dropped:
             log.info("tda: dropped %d of this rank's stored rows past step %d (they will be re-run)", dropped, step)
         cut_departed_ranks(self.store, step)     # resumed on fewer ranks: the others' later rows too
+        if self.follower is not None:       # the versions in force up to here; later ones' files removed
+            try:
+                self.follower.load_state_dict((state or {}).get("basis"), step, stored=self.store.bases)
+            except EigenBasisError as e:
+                raise ConfigError(f"tda.capture.basis_every: {e}") from None
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
         self._rows_before = int((state or {}).get("rows_captured_run", 0))
         self.rows_captured = self.steps_committed = self.steps_dropped = 0      # this rank's, since the resume
@@ -527,6 +546,8 @@ class DeepSpeedTDA:
         if self._open is not None:
             self._open.close()
             self._open = self._open_rec = None
+        if getattr(self, "follower", None) is not None:
+            self.follower.remove()
         if self.capture is not None and self._owns_capture:
             self.capture.remove()
 
