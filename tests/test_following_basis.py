@@ -189,9 +189,20 @@ def test_a_query_of_the_wrong_version_is_refused(tmp_path):
         attribute(store, BasisQueries({x: recs[x] for x in d[1:]}), method="graddot")
     with pytest.raises(ValueError, match="read_all"):
         store.read_all()
-    store.basis_path(d[0]).unlink()
-    with pytest.raises(EigenBasisError, match=str(store.basis_path(d[0]))):
+    assert [b["digest"] for b in store.summary()["bases"]] == [x[:16] for x in d]
+    assert store.verify()["damaged"] == []
+    # a version's file with flipped bytes, then gone: verify lists it, loading it is refused by name
+    path = store.basis_path(d[0])
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0xFF
+    path.write_bytes(bytes(data))
+    from olmo_tda.capture.eigenbasis import _load_cached
+    _load_cached.cache_clear()
+    assert [x["file"] for x in store.verify()["damaged"]] == [f"bases/{d[0]}.safetensors"]
+    path.unlink()
+    with pytest.raises(EigenBasisError, match=str(path)):
         store.load_basis(d[0])
+    assert store.summary()["bases"][0]["file"] is False
 
 
 def test_resume_keeps_the_versions_up_to_its_step_and_cuts_the_later_ones(tmp_path):

@@ -235,12 +235,23 @@ class GradientStore:
             "projector_hash": self.meta["projector_hash"],
             "extra": self.meta.get("extra", {}),
             "stats": self.stats,
+            **({"bases": self._bases_summary()} if self.bases else {}),
         }
+
+    def _bases_summary(self) -> list[dict[str, Any]]:
+        """Per eigenbasis version: its digest, the steps and rows of its shards, and whether its file is here."""
+        out = []
+        for digest in self.bases:
+            infos = [info for info in self.shards if info.basis == digest]
+            out.append({"digest": digest[:16], "steps": [min(i.step_min for i in infos), max(i.step_max for i in infos)],
+                        "rows": sum(i.num_rows for i in infos), "file": self.basis_path(digest).is_file()})
+        return out
 
     def verify(self, progress: Any = None) -> dict[str, Any]:
         """Read every dataset of every shard and compare it with the CRC-32 its writer stored.
 
-        Returns ``{"shards", "datasets", "bytes_read", "damaged": [{"file", "dataset", "problem"}],
+        The eigenbasis versions the shards name (``bases/``) are loaded and checked against their
+        digests too. Returns ``{"shards", "datasets", "bytes_read", "damaged": [{"file", "dataset", "problem"}],
         "unchecked": [files without checksums (written before they were kept)], "changed": [files a
         live writer's truncate rewrote or removed while they were read: not checked]}``; nothing raises
         for a damaged shard, every one is listed. ``progress(done, total)`` is called per shard.
@@ -278,6 +289,14 @@ class GradientStore:
                          info.file, e)
             if progress is not None:
                 progress(done + 1, len(shards))
+        from ..capture.eigenbasis import EigenBasisError
+
+        for digest in self.bases:       # each version's file: present, readable, and hashing to its name
+            try:
+                self.load_basis(digest)
+            except EigenBasisError as e:
+                damaged.append({"file": str(self.basis_path(digest).relative_to(self.path)), "dataset": None,
+                                "problem": str(e)})
         return {"shards": len(shards), "datasets": datasets, "bytes_read": nbytes, "damaged": damaged,
                 "unchecked": unchecked, "changed": changed}
 
