@@ -120,3 +120,24 @@ def test_sigkill_after_a_refresh_then_resume_keeps_every_row_under_its_version(d
     full = subprocess.run([*cmd, f"--load_path={run_dir / 'step10-unsharded'}"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
     assert full.returncode != 0 and str(victim) in full.stderr + full.stdout, (full.stdout + full.stderr)[-3000:]
+
+
+def test_a_following_run_answers_with_every_method(data_dir):
+    """open_run on the 2-rank DDP run above (several versions): every method answers; GradDot's
+    scores are the store's rows against the queries projected with each row's version."""
+    from olmo_tda import Query, attribute, open_run
+    from olmo_tda.methods import BasisQueries
+
+    run_dir = data_dir / "follow_ddp"
+    if not (run_dir / "tda" / "store").exists():
+        _run(_overrides(data_dir, "follow_ddp", 6, "--distributed_strategy=ddp", *FOLLOW), nproc=2)
+    run = open_run(run_dir)
+    queries = [Query("The for statement", " is used")]
+    grads, _ = run.query_gradients(queries)
+    assert isinstance(grads, BasisQueries) and list(grads) == run.store.bases and len(grads) > 2
+    want = attribute(run.store, grads, method="graddot", top_k=3)
+    got = run.attribute(queries, method="graddot", group_by="row", top_k=3)
+    assert [r["index"] for r in got[0]["results"]] == want.ids[0].tolist()
+    for method in ("influence", "tracin", "tracin-inrun"):
+        results = run.attribute(queries, method=method, top_k=3)[0]["results"]
+        assert len(results) == 3 and all(np.isfinite(r["score"]) for r in results), method

@@ -122,16 +122,19 @@ class OLMoRun:
                                   decode=lambda ids: self.tokenizer.decode(ids))
         return self._corpus
 
-    def query_gradients(self, queries: list[str | Query]) -> tuple[dict[str, torch.Tensor], str]:
+    def query_gradients(self, queries: list[str | Query], *, per_basis: bool = True
+                        ) -> tuple[dict[str, torch.Tensor], str]:
         """Projected gradients ``{layer: [Q, Ko, Ki]}`` of each query's loss (a text's summed token loss,
         a prompt → answer query's answer tokens only: :class:`~olmo_tda.methods.queries.Query`) at the
-        checkpoint's weights, through projectors identical to the store's (their hash is returned)."""
+        checkpoint's weights, through projectors identical to the store's (their hash is returned).
+        A store of several eigenbasis versions gets one projection per version (a ``BasisQueries``)
+        unless ``per_basis=False``: then the capture config's basis, as :meth:`train_gradients` uses."""
         items = [(q if isinstance(q, Query) else Query(q)).tokens(
             self._encode, eos_token_id=self.cfg.model.eos_token_id, max_len=self.cfg.model.max_sequence_length)
             for q in queries]
         capture = GradientCapture(self.model, self.tda.capture)
         try:
-            grads = query_gradients(self.model, capture, items, store=self.store)
+            grads = query_gradients(self.model, capture, items, store=self.store if per_basis else None)
             self.query_projector_specs = capture.projector_specs     # names what differs from the store's
             return grads, capture.projector_hash
         finally:
@@ -206,7 +209,8 @@ class OLMoRun:
 
         def queries_at(ckpt):
             self.load_weights(ckpt)
-            grads, projector_hash = self.query_gradients(texts)
+            # in-run rows carry their versions; TracIn-CP recomputes the training side with one basis
+            grads, projector_hash = self.query_gradients(texts, per_basis=inrun)
             if projector_hash != store_hash:
                 raise ValueError(f"query projectors {projector_hash} differ from the store's {store_hash}: "
                                  + projector_difference(self.query_projector_specs, self.store.meta))
