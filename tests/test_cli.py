@@ -73,7 +73,7 @@ def test_demo_quick_then_attribute_and_inspect(tmp_path, capsys):
             assert results[0]["index"] == passage["index"], results[0]
     assert main(["attribute", str(out), "--query-file", str(qfile), "--method", "tracin", "--group-by", "row"]) == 2
     assert "scores examples (summed over checkpoints or steps), not rows" in capsys.readouterr().err
-    # from Python, as the README says: the package's OLMoRun opens the demo's folder as the CLI does
+    # from Python, as the README shows: the package's OLMoRun opens the demo's folder as the CLI does
     import olmo_tda
 
     scores, ids = olmo_tda.OLMoRun(out).tracin([passage["text"]])

@@ -1,5 +1,5 @@
 """The DeepSpeed example script's command line (``python -m olmo_tda.integrations.deepspeed_pretrain``):
-the README's plain single-process command trains (no launcher, no MPI), and every bad input is refused
+docs/DEEPSPEED.md's plain single-process command trains (no launcher, no MPI), and every bad input is refused
 before training with one ``error:`` line naming the key, never a traceback. The 2-rank run, resume and
 queries are in ``test_deepspeed.py``. All tests here have ``deepspeed`` in their names."""
 
@@ -31,7 +31,7 @@ SMALL = ["--model.d_model=32", "--model.embedding_size=257", "--model.max_sequen
 
 
 def run_script(tmp_path: Path, *args: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The script as the README runs it: ``python -m``, no launcher variables in the environment
+    """The script as docs/DEEPSPEED.md runs it: ``python -m``, no launcher variables in the environment
     (``env``: more variables)."""
     plain = {k: v for k, v in outside_slurm_env().items() if k not in LAUNCH_ENV}
     return run_module("olmo_tda.integrations.deepspeed_pretrain", [str(CONFIG), *args], timeout=timeout,
