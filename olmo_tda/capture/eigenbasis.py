@@ -319,15 +319,21 @@ class EigenProjector(MatrixProjector):
         self.versioned = versioned
         """A basis that follows the run (``capture.basis_every``): the spec names no matrices, each
         shard names its version, and :meth:`rebase` moves to the next one."""
+        lb = self._fitting(basis, name, n_out, n_in)
+        self.basis_digest = basis.digest
+        super().__init__(name, self._rows(basis, name, "out", lb.proj_out, k_out),
+                         self._rows(basis, name, "in", lb.proj_in, k_in))
+
+    @staticmethod
+    def _fitting(basis: EigenBasis, name: str, n_out: int, n_in: int) -> LayerBasis:
+        """The layer's basis, refused when it was estimated for another layer shape."""
         lb = basis.layer(name)
         if (lb.n_out, lb.n_in) != (n_out, n_in):
             raise EigenBasisError(
                 f"eigenbasis {basis.where()}: layer {name!r} was estimated with (n_out, n_in) = ({lb.n_out}, "
                 f"{lb.n_in}) but the model's layer has ({n_out}, {n_in}) (n_in counts a captured bias column: "
                 f"the basis has bias={lb.bias}); re-estimate it for this model and capture.include_bias")
-        self.basis_digest = basis.digest
-        super().__init__(name, self._rows(basis, name, "out", lb.proj_out, k_out),
-                         self._rows(basis, name, "in", lb.proj_in, k_in))
+        return lb
 
     @staticmethod
     def _rows(basis: EigenBasis, name: str, side: str, stored_KN: torch.Tensor, k: int) -> torch.Tensor:
@@ -344,10 +350,7 @@ class EigenProjector(MatrixProjector):
 
     def rebase(self, basis: EigenBasis) -> None:
         """Project onto ``basis`` (a later version of the same layers, widths unchanged) from now on."""
-        lb = basis.layer(self.name)
-        if (lb.n_out, lb.n_in) != (self.n_out, self.n_in):
-            raise EigenBasisError(f"eigenbasis {basis.where()}: layer {self.name!r} has (n_out, n_in) = "
-                                  f"({lb.n_out}, {lb.n_in}), the capture ({self.n_out}, {self.n_in})")
+        lb = self._fitting(basis, self.name, self.n_out, self.n_in)
         device = self._out_W.device
         self.proj_out_KO = self._rows(basis, self.name, "out", lb.proj_out, self.k_out)
         self.proj_in_KI = self._rows(basis, self.name, "in", lb.proj_in, self.k_in)
@@ -502,10 +505,13 @@ def _eigh_desc(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(vectors [n, n] float64 rows, values [n] float64)`` of a symmetric matrix, largest eigenvalue
     first, each row's largest-|entry| (first on ties) positive."""
     values, vectors = torch.linalg.eigh(cov.detach().to("cpu", torch.float64))
-    values, rows = values.flip(0), vectors.flip(1).T.contiguous()
+    return fix_signs(vectors.flip(1).T.contiguous()), values.flip(0).contiguous()
+
+
+def fix_signs(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's largest-|entry| (first on ties) made positive: one covariance, one set of matrices."""
     pivot = rows.abs().argmax(dim=1, keepdim=True)
-    rows *= torch.where(rows.gather(1, pivot) < 0, -1.0, 1.0).to(rows.dtype)
-    return rows, values.contiguous()
+    return rows * torch.where(rows.gather(1, pivot) < 0, -1.0, 1.0).to(rows.dtype)
 
 
 BUDGET_DAMPING = 0.1

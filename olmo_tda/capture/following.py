@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import CaptureConfig
-from .eigenbasis import EigenBasis, EigenBasisError, LayerBasis, _broadcast, _comm_device, _select
+from .eigenbasis import EigenBasis, EigenBasisError, _broadcast, _comm_device, _select, fix_signs
 
 __all__ = ["refresh_steps", "is_refresh_step", "TokenSampler", "refreshed_basis", "BasisFollower",
            "EARLY_DIVISORS"]
@@ -80,6 +80,8 @@ class TokenSampler:
         self.active = False
         self.seconds = 0.0
         self.rows: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._held: dict[str, int] = {}          # rows held per layer (the sum of its list's lengths)
+        self._picks: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._handles = [m.register_forward_hook(partial(self._on_forward, n), with_kwargs=True)
                          for n, m in modules.items()]
 
@@ -97,8 +99,12 @@ class TokenSampler:
         self.seconds += time.perf_counter() - t0
 
     def _pick(self, n: int, device: torch.device) -> torch.Tensor:
-        take = min(n, self.per_call)
-        return torch.linspace(0, n - 1, take, device=device).round().long()
+        """Row indices of ``per_call`` evenly spaced tokens of ``n`` (made once per batch shape)."""
+        pick = self._picks.get((n, device))
+        if pick is None:
+            pick = self._picks[(n, device)] = torch.linspace(0, n - 1, min(n, self.per_call),
+                                                             device=device).round().long()
+        return pick
 
     def _on_grad(self, name: str, a: torch.Tensor, pick: torch.Tensor, grad: torch.Tensor) -> None:
         t0 = time.perf_counter()
@@ -106,15 +112,17 @@ class TokenSampler:
         ins, outs = self.rows.setdefault(name, ([], []))
         ins.append(a)
         outs.append(g)
-        while sum(len(x) for x in ins) - len(ins[0]) >= self.keep:
-            ins.pop(0)
+        held = self._held.get(name, 0) + len(a)
+        while held - len(ins[0]) >= self.keep:     # the oldest go while the rest still hold ``keep``
+            held -= len(ins.pop(0))
             outs.pop(0)
+        self._held[name] = held
         self.seconds += time.perf_counter() - t0
 
     def take(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{layer: (a rows [T, n_in], g rows [T, n_out])}``, the last ``keep`` of each; clears them."""
         out = {n: (torch.cat(ins)[-self.keep:], torch.cat(outs)[-self.keep:]) for n, (ins, outs) in self.rows.items()}
-        self.rows = {}
+        self.rows, self._held = {}, {}
         return out
 
     def remove(self) -> None:
@@ -129,12 +137,6 @@ def _sum(t: torch.Tensor, world: bool) -> torch.Tensor:
         dist.all_reduce(moved)
         return moved.to(t.device)
     return t
-
-
-def _fix_signs(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's largest-|entry| (first on ties) positive: one covariance, one set of matrices."""
-    pivot = rows.abs().argmax(dim=1, keepdim=True)
-    return rows * torch.where(rows.gather(1, pivot) < 0, -1.0, 1.0).to(rows.dtype)
 
 
 def _top_rows(x_TN: torch.Tensor | None, n: int, k: int, warm_KN: torch.Tensor, world: bool,
@@ -159,7 +161,7 @@ def _top_rows(x_TN: torch.Tensor | None, n: int, k: int, warm_KN: torch.Tensor, 
         values, small = torch.linalg.eigh(_sum(xq.T @ xq, world).double())   # Rayleigh-Ritz on span(q)
         values, rows = values.flip(0)[:k], (q.double() @ small.flip(1)).T[:k]
     scale = max(tokens, 1)
-    return (_fix_signs(rows.cpu().contiguous()).float().contiguous(), (values.cpu().clamp(min=0) / scale).contiguous(),
+    return (fix_signs(rows.cpu().contiguous()).float().contiguous(), (values.cpu().clamp(min=0) / scale).contiguous(),
             trace / scale, tokens)
 
 
