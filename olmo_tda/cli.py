@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("--top-k", type=int, default=10)
     attr.add_argument("--json", help="write the answers as JSON to this file (stdout then holds a summary)")
     attr.set_defaults(func=_cmd_attribute)
-    inspect = sub.add_parser("inspect", help="summarize a gradient store and trajectory (or a run directory holding them)")
+    inspect = sub.add_parser("inspect",
+                             help="summarize a gradient store and trajectory (or a run directory holding them)")
     inspect.add_argument("path")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     inspect.add_argument("--verify", action="store_true",

@@ -87,7 +87,7 @@ def check_worker_rows(store):
     block = store.read_all()
     keys = list(zip(block.ids.tolist(), block.steps.tolist()))
     assert len(keys) == len(set(keys)), "duplicate (id, step) rows"
-    for k, (ex, step) in enumerate(keys):
+    for k, (_ex, step) in enumerate(keys):
         assert block.lr[k] == worker.lr_at(step) and block.loss_scale[k] == worker.loss_scale_at(step)
     check_worker_grads(block)
     steps = set(block.steps.tolist())
@@ -206,7 +206,7 @@ def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memor
     block, want = store.read_all(), expected_rows(records)
     rows = rows_of(block)
     assert set(rows) == set(want) and block.ids.tolist() == [i for r in records for i in r.ids.tolist()]
-    for key, (lr, scale, grads) in want.items():
+    for key, (_lr, _scale, grads) in want.items():
         for name, g in grads.items():
             assert torch.equal(block.grads[name][rows[key]], g), (key, name)
 
@@ -480,7 +480,7 @@ def test_readahead_asks_for_exactly_the_selected_layers_bytes_of_each_shard(tmp_
         assert [path for path, _ in inline_readahead] == [paths[0], paths[1], paths[2], paths[2], paths[3], paths[3]]
         layer_requests = [inline_readahead[i] for i in (0, 1, 3, 5)]
         heads = [_head_of(path) for path in paths]
-        for j, ((path, ranges), early) in enumerate(zip(layer_requests, (None, None, 2, 4))):
+        for j, ((_path, ranges), early) in enumerate(zip(layer_requests, (None, None, 2, 4))):
             head, ends = heads[j]
             if j:
                 assert ranges[0] == (0, head) and head >= max(ends.values())     # ids, steps, lr, loss_scale

@@ -137,7 +137,7 @@ def table(rows: dict) -> list[str]:
     head = ("| system | version | ex/s | ours ×| step overhead | ours ×| bytes/ex | 16 queries s | ours ×"
             "| peak RSS MB | Spearman vs exact | influence Spearman |")
     out = [head, "|" + "---|" * 12]
-    for s, r in rows.items():
+    for _s, r in rows.items():
         if not r.get("ok"):
             out.append(f"| {r['label']} | {r.get('version') or '—'} | failed: {r.get('error', '?')} |" + " |" * 9)
             continue
@@ -285,7 +285,7 @@ def markdown(result: dict) -> str:
     lines += [f"- {item}" for item in losses(rows)] or ["- nowhere"]
     lines.append("")
     lines.append("Settings per system:")
-    for s, r in rows.items():
+    for _s, r in rows.items():
         why = r.get("settings") or r.get("error")
         extra = f" In-loop capture: {r['overhead_error']}." if r.get("overhead_error") else ""
         if r.get("repeat_error"):

@@ -360,7 +360,8 @@ class GradientCapture:
         self._moment_rows: int | None = None     # only the first rows of a batch count (the rest: padding)
         unused = [o for o in self.config.overrides
                   if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
-        shadowed = [o.modules for o in unused if any(fnmatch.fnmatchcase(n, p) for n in self.modules for p in o.modules)]
+        shadowed = [o.modules for o in unused
+                    if any(fnmatch.fnmatchcase(n, p) for n in self.modules for p in o.modules)]
         if shadowed:
             log.warning("capture.overrides %s match only layers an earlier override already sets (the first match "
                         "wins): they change nothing", shadowed)

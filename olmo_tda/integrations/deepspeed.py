@@ -697,8 +697,8 @@ def check_selection_log(folder: str | Path, epoch: int, step: int, saved: Mappin
         if held < want:
             raise ConfigError(f"tda.selection: the checkpoint's run had applied {want} selection rounds by step {step} "
                               f"(logged in {saved.get('log')}), but this run's log {folder} holds {held}: the data "
-                              "order cannot be replayed. Resume in that run's run_dir, or copy its tda/selection folder "
-                              "here first")
+                              "order cannot be replayed. Resume in that run's run_dir, or copy its tda/selection "
+                              "folder here first")
 
     decided_on_rank0(check, catch=(ConfigError, SelectionError))
 

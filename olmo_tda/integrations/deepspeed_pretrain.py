@@ -245,7 +245,8 @@ class TokenData:
         return {"input_ids": input_ids, "labels": labels, "index": torch.from_numpy(np.asarray(ids, dtype=np.int64))}
 
 
-def step_ids(step: int, rank: int, micro: int, *, world: int, micro_bs: int, gas: int, num: int, seed: int) -> np.ndarray:
+def step_ids(step: int, rank: int, micro: int, *, world: int, micro_bs: int, gas: int, num: int,
+             seed: int) -> np.ndarray:
     """Global ids of (1-based) ``step``'s micro-batch ``micro`` on ``rank``: a seeded permutation per
     epoch, consumed in order — a pure function of the step, so a resumed run continues exactly."""
     per_step = world * micro_bs * gas
@@ -421,7 +422,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             log.warning("no `tokenizer:` for data.paths: `olmo-tda attribute %s` will not be able to encode queries",
                         run_dir)
         write_json_atomic(run_dir / RUN_JSON, {
-            "kind": "deepspeed_pretrain", "model": cfg["model"], "data_paths": [str(Path(p).resolve()) for p in data_paths],
+            "kind": "deepspeed_pretrain", "model": cfg["model"],
+            "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
             "weights": WEIGHTS_FILE, "attempt": launch_attempt(),     # its later attempts may start over
             "zero_stage": stage, "world_size": world,                 # what its checkpoints need to load

@@ -37,8 +37,8 @@ def plot_training(path: Path, steps: Sequence[int], losses: Sequence[float],
 
 def plot_selection(path: Path, rounds: Sequence[dict[str, Any]]) -> Path:
     """The selection rounds of a run (``tda/selection/rounds.jsonl``) as a PNG: promoted vs demoted
-    mean score (the sources policy: its weights per source), rank correlation with the previous round, the front's fraction per data source, and
-    seconds per round."""
+    mean score (the sources policy: its weights per source), rank correlation with the previous round,
+    the front's fraction per data source, and seconds per round."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,7 +49,8 @@ def plot_selection(path: Path, rounds: Sequence[dict[str, Any]]) -> Path:
     weighted = sorted({s for r in rounds for s in (r.get("source_weight") or {})})
     if weighted:        # the sources policy: its weights per source, not per-example scores
         for src in weighted:
-            axes[0].plot(steps, [(r.get("source_weight") or {}).get(src, float("nan")) for r in rounds], ".-", label=src)
+            axes[0].plot(steps, [(r.get("source_weight") or {}).get(src, float("nan")) for r in rounds], ".-",
+                         label=src)
         axes[0].set(xlabel="step", ylabel="weight", title="source weights (sources)", ylim=(0, 1))
     for key, label in (("promoted_mean_score", "promoted"), ("demoted_mean_score", "demoted")) if not weighted else ():
         axes[0].plot(steps, [r.get(key) if r.get(key) is not None else float("nan") for r in rounds], ".-", label=label)
@@ -61,11 +62,13 @@ def plot_selection(path: Path, rounds: Sequence[dict[str, Any]]) -> Path:
     axes[1].set(xlabel="step", ylabel="Spearman", title="rank correlation with the previous round", ylim=(-1, 1))
     sources = sorted({s for r in rounds for s in (r.get("source_frac_front") or {})})
     for src in sources:
-        axes[2].plot(steps, [(r.get("source_frac_front") or {}).get(src, float("nan")) for r in rounds], ".-", label=src)
+        axes[2].plot(steps, [(r.get("source_frac_front") or {}).get(src, float("nan")) for r in rounds], ".-",
+                     label=src)
     axes[2].set(xlabel="step", ylabel="fraction", title="front of the window, per source", ylim=(0, 1))
     if sources:
         axes[2].legend()
-    axes[3].bar(steps, [r.get("seconds", 0.0) for r in rounds], width=max(1, (steps[-1] - steps[0]) / max(len(steps), 1) * 0.6)
+    axes[3].bar(steps, [r.get("seconds", 0.0) for r in rounds],
+                width=max(1, (steps[-1] - steps[0]) / max(len(steps), 1) * 0.6)
                 if len(steps) > 1 else 1, color="tab:gray")
     axes[3].set(xlabel="step", ylabel="s", title="seconds per round")
     fig.tight_layout()

@@ -81,7 +81,8 @@ class GradientBlock:
     """float64 ``[n]``: the loop's loss divisor at that step (already undone in ``grads``)."""
     grads: dict[str, "torch.Tensor | LowRank"] = field(default_factory=dict)
     """layer name -> float32 ``[n, k_out, k_in]`` (decoded from the store dtype), or
-    :class:`~olmo_tda.store.record.LowRank` factors for a layer stored with a rank (see :attr:`GradientStore.layer_ranks`)."""
+    :class:`~olmo_tda.store.record.LowRank` factors for a layer stored with a rank (see
+    :attr:`GradientStore.layer_ranks`)."""
     basis: str | None = None
     """Digest of the eigenbasis version every row of the block was projected with (a basis that
     follows the run; a block never mixes versions), or None (the store's one projection)."""
@@ -243,7 +244,8 @@ class GradientStore:
         out = []
         for digest in self.bases:
             infos = [info for info in self.shards if info.basis == digest]
-            out.append({"digest": digest[:16], "steps": [min(i.step_min for i in infos), max(i.step_max for i in infos)],
+            out.append({"digest": digest[:16],
+                        "steps": [min(i.step_min for i in infos), max(i.step_max for i in infos)],
                         "rows": sum(i.num_rows for i in infos), "file": self.basis_path(digest).is_file()})
         return out
 

@@ -72,7 +72,8 @@ def target_kind(path: str | Path) -> str:
         if suffix in suffixes:
             return kind
     raise ValueError(f"selection target {path}: unknown file type {suffix or '(no suffix)'!r}; use "
-                     f"{'/'.join(TEXT_SUFFIXES)} (documents separated by blank lines), {'/'.join(JSONL_SUFFIXES)} (a JSON object "
+                     f"{'/'.join(TEXT_SUFFIXES)} (documents separated by blank lines), "
+                     f"{'/'.join(JSONL_SUFFIXES)} (a JSON object "
                      f"with a 'text' field per line) or {'/'.join(TOKEN_SUFFIXES)} (token ids)")
 
 
@@ -110,7 +111,8 @@ def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int
                 try:
                     line = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"selection target {path}:{n}: expected a JSON object with a 'text' field") from None
+                    raise ValueError(f"selection target {path}:{n}: expected a JSON object with a 'text' "
+                                     "field") from None
                 if not isinstance(line, str):
                     raise ValueError(f"selection target {path}:{n}: 'text' is {type(line).__name__}, not a string")
             stream += list(encode(line)) + [eos_token_id]
@@ -275,7 +277,8 @@ class OnlineSelector:
                 raise ValueError("selection policy 'sources' needs the run's capture (its rows), target tokens "
                                  "and the data's source names")
             self.capture, self._owns_capture = capture, False
-            self.mixer = SourceMixer(sources, shares=source_shares if source_shares is not None else [1.0] * len(sources),
+            shares = source_shares if source_shares is not None else [1.0] * len(sources)
+            self.mixer = SourceMixer(sources, shares=shares,
                                      temperature=config.source_temperature, memory=config.source_memory,
                                      floor=config.source_floor,
                                      decay=config.source_decay, precondition=config.precondition,

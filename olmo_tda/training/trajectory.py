@@ -141,7 +141,8 @@ class TrajectoryCheckpoint:
             try:
                 got = _file_crc32(self.path / "model.safetensors")
             except OSError as e:
-                raise TrajectoryError(f"trajectory checkpoint {self.path}: cannot read model.safetensors ({e})") from None
+                raise TrajectoryError(f"trajectory checkpoint {self.path}: cannot read model.safetensors "
+                                      f"({e})") from None
             if got != self.crc32:
                 raise TrajectoryError(f"trajectory checkpoint {self.path}: model.safetensors is damaged (checksum "
                                       f"{got:#010x} != {self.crc32:#010x} in its meta.json: its bytes changed after "
