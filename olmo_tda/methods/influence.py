@@ -54,170 +54,32 @@ from typing import Any, Sequence
 
 import torch
 
-from ..ops import ROUTES, flat, inner, lowrank_queries
+from ..ops import ROUTES, inner, lowrank_queries
 from .base import register_method
+from .curvature import CURVATURES, DEFAULT_RANK, Curvature, CurvatureOptions, layer_dims
+from .curvature import JOINT_DAMPING_RATIO as JOINT_DAMPING_RATIO  # re-exported: joint's default lives there
+from .curvature import ekfac_apply, ekfac_fisher, fisher_stats, joint_fisher, lowrank_fisher, woodbury_apply
 
 __all__ = ["Influence", "ekfac_fisher", "ekfac_apply", "fisher_stats", "joint_fisher", "lowrank_fisher",
            "woodbury_apply"]
 
 log = logging.getLogger(__name__)
 
-_JOINT = "__joint__"
-"""The key of the one whole-model factor of ``hessian="joint"``."""
-
-
-def _flat(g: Any) -> torch.Tensor:
-    """``[N, D]`` float64 rows; LoRIF factors are materialized one streamed block at a time."""
-    return flat(g).double()
-
-
-def _joint_rows(block: Any, layers: Sequence[str]) -> torch.Tensor:
-    """``[N, Σ D_l]`` float64: each row's layers concatenated in ``layers`` order."""
-    return torch.cat([_flat(block.grads[name]) for name in layers], dim=1)
-
-
-def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = None
-                 ) -> tuple[dict[str, torch.Tensor], dict[str, float], int]:
-    """One pass: ``({layer: F [D, D]}, {layer: tr(F)}, N)``."""
-    fisher: dict[str, torch.Tensor] = {}
-    trace = dict.fromkeys(layers, 0.0)
-    num = 0
-    for block in store.iter_blocks(layers=list(layers), block_size=block_size):
-        num += len(block.ids)
-        for name in layers:
-            g = _flat(block.grads[name])
-            trace[name] += float((g * g).sum())
-            if name in fisher:
-                fisher[name].addmm_(g.T, g)          # in place: no second D×D matrix per block
-            else:
-                fisher[name] = g.T @ g
-    if num == 0:
-        raise ValueError("influence needs training rows in the store to estimate the Fisher")
-    return {n: f.div_(num) for n, f in fisher.items()}, {n: t / num for n, t in trace.items()}, num
-
-
-def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: int = 8, iterations: int = 3,
-                   block_size: int | None = None, seed: int = 0, joint: bool = False
-                   ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, float], int]:
-    """``({layer: (V [D, r], eigenvalues [r])}, {layer: tr(F)}, N)`` of F by streaming subspace
-    iteration (memory O(D·r)).
-
-    ``iterations`` passes over the store after the random start, each orthonormalized; a final
-    Rayleigh-Ritz step on the (r+oversample)-dim subspace gives the eigenpairs. The first pass also
-    takes tr(F), so the damping needs no pass of its own. With ``joint``, the one whole-model F over
-    the layers' rows concatenated in ``layers`` order, under the key ``"__joint__"``.
-    """
-    shapes = store.layer_shapes
-    dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
-    if joint:
-        dims = {_JOINT: sum(dims.values())}
-    gen = torch.Generator().manual_seed(seed)
-    basis = {key: torch.linalg.qr(torch.randn(dim, min(dim, rank + oversample), generator=gen,
-                                              dtype=torch.float64))[0] for key, dim in dims.items()}
-
-    def rows(block: Any) -> dict[str, torch.Tensor]:
-        if joint:
-            return {_JOINT: _joint_rows(block, layers)}
-        return {name: _flat(block.grads[name]) for name in layers}
-
-    trace = dict.fromkeys(basis, 0.0)
-
-    def apply_fisher(first: bool) -> tuple[dict[str, torch.Tensor], int]:
-        out = {n: torch.zeros_like(v) for n, v in basis.items()}
-        num = 0
-        for block in store.iter_blocks(layers=list(layers), block_size=block_size):
-            num += len(block.ids)
-            for key, g in rows(block).items():
-                out[key] += g.T @ (g @ basis[key])
-                if first:
-                    trace[key] += float((g * g).sum())
-        if num == 0:
-            raise ValueError("influence needs training rows in the store to estimate the Fisher")
-        return {n: v / num for n, v in out.items()}, num
-
-    for i in range(iterations):
-        product, _ = apply_fisher(first=i == 0)
-        basis = {n: torch.linalg.qr(p)[0] for n, p in product.items()}
-    product, num = apply_fisher(first=iterations == 0)
-    out = {}
-    for name in basis:
-        small = basis[name].T @ product[name]                       # Vᵀ F V, symmetric (r+p)×(r+p)
-        evals, evecs = torch.linalg.eigh((small + small.T) / 2)
-        order = torch.argsort(evals, descending=True)[: min(rank, len(evals))]
-        out[name] = (basis[name] @ evecs[:, order], evals[order].clamp_min(0))
-    return out, {n: t / num for n, t in trace.items()}, num
-
-
-def woodbury_apply(q: torch.Tensor, vecs: torch.Tensor, evals: torch.Tensor, damping: float) -> torch.Tensor:
-    """``(V diag(s) Vᵀ + λI)⁻¹ q`` for rows of ``q`` [Q, D]: ``(1/λ)[q − ((qV) ∘ s/(s+λ)) Vᵀ]``."""
-    coeff = (q @ vecs) * (evals / (evals + damping))
-    return (q - coeff @ vecs.T) / damping
-
-
-def ekfac_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = None
-                 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, float], int]:
-    """Two passes: ``({layer: (U_S [Ko, Ko], U_A [Ki, Ki], Λ [Ko, Ki])}, {layer: tr(F)}, N)``.
-
-    Pass one accumulates the Kronecker factors ``Σ Ĝ Ĝᵀ`` and ``Σ Ĝᵀ Ĝ`` (and tr F); pass two the
-    eigenvalue correction ``Σ (U_Sᵀ Ĝ U_A)²`` in their eigenbases. float64 throughout.
-    """
-    shapes = store.layer_shapes
-    out_f = {n: torch.zeros(shapes[n][0], shapes[n][0], dtype=torch.float64) for n in layers}
-    in_f = {n: torch.zeros(shapes[n][1], shapes[n][1], dtype=torch.float64) for n in layers}
-    num = 0
-    for block in store.iter_blocks(layers=list(layers), block_size=block_size):
-        num += len(block.ids)
-        for name in layers:
-            k_out, k_in = shapes[name]
-            g = _flat(block.grads[name]).reshape(-1, k_out, k_in)
-            by_out = g.transpose(0, 1).reshape(k_out, -1)              # Σ_i Ĝ_i Ĝ_iᵀ as one GEMM
-            by_in = g.reshape(-1, k_in)                                # Σ_i Ĝ_iᵀ Ĝ_i as one GEMM
-            out_f[name] += by_out @ by_out.T
-            in_f[name] += by_in.T @ by_in
-    if num == 0:
-        raise ValueError("influence needs training rows in the store to estimate the Fisher")
-    # contiguous, so a fit read back from the cache multiplies in the same layout (the same bits)
-    bases = {n: (torch.linalg.eigh(out_f[n] / num)[1].contiguous(), torch.linalg.eigh(in_f[n] / num)[1].contiguous())
-             for n in layers}
-    moments = {n: torch.zeros(*shapes[n], dtype=torch.float64) for n in layers}
-    for block in store.iter_blocks(layers=list(layers), block_size=block_size):
-        for name in layers:
-            u_out, u_in = bases[name]
-            rotated = u_out.T @ _flat(block.grads[name]).reshape(-1, *shapes[name]) @ u_in
-            moments[name] += (rotated * rotated).sum(dim=0)
-    fitted = {n: (*bases[n], moments[n] / num) for n in layers}
-    return fitted, {n: float(fitted[n][2].sum()) for n in layers}, num
-
-
-def ekfac_apply(q: torch.Tensor, u_out: torch.Tensor, u_in: torch.Tensor, evals: torch.Tensor,
-                damping: float) -> torch.Tensor:
-    """``(F_ekfac + λI)⁻¹ q`` for ``q`` [Q, Ko, Ki]: ``U_S [(U_Sᵀ q U_A) / (Λ + λ)] U_Aᵀ``."""
-    return u_out @ ((u_out.T @ q @ u_in) / (evals + damping)) @ u_in.T
-
-
-HESSIANS = ("raw", "lorif", "ekfac", "joint")
+HESSIANS = tuple(CURVATURES)
+"""The ``hessian=`` names: ``("raw", "lorif", "ekfac", "joint")``, each a class in :mod:`.curvature`."""
+# The explicit-width limit is the influence method's policy, read here at fit time (so setting these
+# module attributes still takes effect); each curvature only answers ``sized(max_dim=, auto_rank=)``.
 JOINT_AUTO_RANK = 1024
 """The rank the default ``hessian="joint"`` takes above :data:`JOINT_MAX_DIM` when none is given."""
-JOINT_DAMPING_RATIO = 0.01
-"""The default ``damping_ratio`` of ``hessian="joint"``: λ = 0.01·tr(F)/D found the source of a fact best
-in ``benchmarks/fact_tracing.py`` (0.1, the per-layer default, ranked it lower)."""
 JOINT_MAX_DIM = 16384
 """The widest store explicit ``hessian="joint"`` accepts: its D×D float64 Fisher is 2 GiB there
 (``rank=r`` lifts the limit)."""
 
 
-def joint_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = None
-                 ) -> tuple[torch.Tensor, float, int]:
-    """One pass: ``(F [D, D], tr(F), N)`` over the rows' layers concatenated in ``layers`` order."""
-    fisher, num = None, 0
-    for block in store.iter_blocks(layers=list(layers), block_size=block_size):
-        num += len(block.ids)
-        g = _joint_rows(block, layers)
-        fisher = g.T @ g if fisher is None else fisher.addmm_(g.T, g)
-    if num == 0:
-        raise ValueError("influence needs training rows in the store to estimate the Fisher")
-    fisher.div_(num)
-    return fisher, float(torch.trace(fisher)), num
+def _either(names: Sequence[str]) -> str:
+    """``'a', 'b' or 'c'``."""
+    quoted = [repr(n) for n in names]
+    return ", ".join(quoted[:-1]) + f" or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
 
 
 def _double(g: Any) -> Any:
@@ -232,41 +94,49 @@ class Influence:
     taught a fact best (``benchmarks/fact_tracing.py``). ``ekfac`` (two Kronecker eigenbases and a
     k_out×k_in eigenvalue matrix a layer) has the best linear datamodeling score at every damping in
     ``benchmarks/lds.py``: the choice for predicting retraining. ``lorif`` holds O(D·r), ``raw`` a D×D
-    matrix per layer (k=64: 128 MiB each)."""
+    matrix per layer (k=64: 128 MiB each). Each is a :class:`~olmo_tda.methods.curvature.Curvature`
+    looked up by name once, here; this class owns the damping, the left-out layers and the cache."""
 
     name = "influence"
 
     def __init__(self, *, hessian: str = "joint", damping: float | None = None, damping_ratio: float | None = None,
                  rank: int | None = None, oversample: int = 8, iterations: int = 3, seed: int = 0,
                  route: str = "auto", query_rank: int = 0):
-        if hessian not in HESSIANS:
-            raise ValueError(f"influence: hessian must be 'raw', 'lorif', 'ekfac' or 'joint', got {hessian!r}")
+        if hessian not in CURVATURES:
+            raise ValueError(f"influence: hessian must be {_either(HESSIANS)}, got {hessian!r}")
+        kind = CURVATURES[hessian]
         if damping is not None and not 0 < damping < float("inf"):
             raise ValueError(f"influence: damping must be finite and > 0, got {damping!r}")
         if damping_ratio is None:
-            damping_ratio = JOINT_DAMPING_RATIO if hessian == "joint" else 0.1
+            damping_ratio = kind.damping_ratio
         if not 0 < damping_ratio < float("inf"):
             raise ValueError(f"influence: damping_ratio must be finite and > 0, got {damping_ratio!r}")
-        if rank is not None and hessian not in ("lorif", "joint"):
-            raise ValueError(f"influence: rank is the rank of hessian='lorif' or 'joint', not of hessian={hessian!r}")
+        if rank is not None and not kind.takes_rank:
+            ranked = [n for n, c in CURVATURES.items() if c.takes_rank]
+            raise ValueError(f"influence: rank is the rank of hessian={_either(ranked)}, not of hessian={hessian!r}")
         if rank is not None and rank < 1:
             raise ValueError(f"influence: rank must be >= 1, got {rank}")
         if oversample < 0:
             raise ValueError(f"influence: oversample must be >= 0 (extra subspace columns), got {oversample}")
         if iterations < 1:
             raise ValueError(f"influence: iterations must be >= 1 (passes of subspace iteration), got {iterations}")
-        self.joint_rank = rank if hessian == "joint" else None
-        """``hessian="joint"``: None = the explicit Fisher; r = its top-r eigenpairs (Woodbury)."""
-        rank = 64 if rank is None else rank
         if route not in ROUTES:
             raise ValueError(f"influence: route must be one of {ROUTES}, got {route!r}")
         if query_rank < 0:
             raise ValueError(f"influence: query_rank must be >= 0 (0 = exact queries), got {query_rank}")
+        self._curvature: Curvature = kind.build(CurvatureOptions(rank=rank, oversample=oversample,
+                                                                 iterations=iterations, seed=seed))
+        rank = DEFAULT_RANK if rank is None else rank
         self.route, self.query_rank = route, query_rank
         self.hessian, self.damping, self.damping_ratio = hessian, damping, damping_ratio
         self.rank, self.oversample, self.iterations, self.seed = rank, oversample, iterations, seed
         self.info: dict[str, Any] = {}
         self._fitted: dict[str, Any] | None = None
+
+    @property
+    def joint_rank(self) -> int | None:
+        """``hessian="joint"``: None = the explicit Fisher; r = its top-r eigenpairs (Woodbury)."""
+        return self._curvature.joint_rank
 
     def fit(self, store: Any, layers: Sequence[str], *, block_size: int | None = None) -> None:
         """Estimate each layer's Fisher (explicit or low-rank) and its damping from the store.
@@ -274,14 +144,12 @@ class Influence:
         The result is cached beside the store (``<store>/cache/influence-<key>.safetensors``, keyed by
         the store's shards and these options), so the next question skips the passes over the store.
         """
-        if self.hessian == "joint" and self.joint_rank is None:
-            shapes = store.layer_shapes
-            dim = sum(shapes[n][0] * shapes[n][1] for n in layers)
-            if dim > JOINT_MAX_DIM:          # explicit would need dim² floats: its top eigenpairs instead
-                log.warning("influence: the joint Fisher over %d layers is %d wide, above the explicit limit %d: "
-                            "using its top-%d eigenpairs (pass rank= / --rank to choose)", len(layers), dim,
-                            JOINT_MAX_DIM, JOINT_AUTO_RANK)
-                self.joint_rank = JOINT_AUTO_RANK
+        sized = self._curvature.sized(store, layers, max_dim=JOINT_MAX_DIM, auto_rank=JOINT_AUTO_RANK)
+        if sized is not self._curvature:     # explicit would need dim² floats: its top eigenpairs instead
+            log.warning("influence: the %s Fisher over %d layers is %d wide, above the explicit limit %d: "
+                        "using its top-%d eigenpairs (pass rank= / --rank to choose)", self.hessian, len(layers),
+                        sum(layer_dims(store.layer_shapes, layers).values()), JOINT_MAX_DIM, sized.rank)
+            self._curvature = sized
         cache = self._cache_file(store, layers)
         if cache is not None and cache.exists() and self._load(cache, layers):
             return
@@ -308,14 +176,6 @@ class Influence:
         return Path(root) / "cache" / (f"influence-{hashlib.sha256(options.encode()).hexdigest()[:16]}-"
                                        f"{hashlib.sha256(state.encode()).hexdigest()[:16]}.safetensors")
 
-    @property
-    def _explicit(self) -> bool:
-        """The fitted factor is a Cholesky factor of an explicit damped Fisher (else eigenpairs)."""
-        return self.hessian == "raw" or (self.hessian == "joint" and self.joint_rank is None)
-
-    def _factor_names(self, layers: Sequence[str]) -> list[str]:
-        """The keys of the fitted factors: one per layer, or the one joint factor."""
-        return [_JOINT] if self.hessian == "joint" else list(layers)
 
     def _save(self, path, layers: Sequence[str]) -> None:
         import json
@@ -325,14 +185,11 @@ class Influence:
         from safetensors.torch import save_file
 
         tensors = {}
-        for i, name in enumerate(self._factor_names(layers)):
-            factor = self._fitted["factors"][name]
-            if self._explicit:
-                tensors[f"{i}.chol"] = factor.contiguous()
-            elif self.hessian == "ekfac":
-                tensors[f"{i}.u_out"], tensors[f"{i}.u_in"], tensors[f"{i}.evals"] = (t.contiguous() for t in factor)
-            else:
-                tensors[f"{i}.vecs"], tensors[f"{i}.evals"] = factor[0].contiguous(), factor[1].contiguous()
+        for i, group in enumerate(self._curvature.groups(layers)):
+            factor = self._fitted["factors"][group]
+            parts = factor if isinstance(factor, tuple) else (factor,)
+            tensors.update({f"{i}.{key}": t.contiguous()
+                            for key, t in zip(self._curvature.tensor_names, parts, strict=True)})
         meta = {"info": json.dumps(self.info), "layers": json.dumps(list(layers))}
         try:
             path.parent.mkdir(exist_ok=True)
@@ -364,11 +221,9 @@ class Influence:
                 if json.loads(meta["layers"]) != list(layers):
                     return False
                 factors = {}
-                keys = ["chol"] if self._explicit else ["u_out", "u_in", "evals"] if self.hessian == "ekfac" \
-                    else ["vecs", "evals"]
-                for i, name in enumerate(self._factor_names(layers)):
-                    parts = [f.get_tensor(f"{i}.{key}") for key in keys]
-                    factors[name] = parts[0] if self._explicit else tuple(parts)
+                for i, group in enumerate(self._curvature.groups(layers)):
+                    parts = tuple(f.get_tensor(f"{i}.{key}") for key in self._curvature.tensor_names)
+                    factors[group] = parts if len(parts) > 1 else parts[0]
                 info = json.loads(meta["info"])
         except Exception as e:   # noqa: BLE001 - a damaged cache is recomputed, never trusted
             log.warning("influence: ignoring unreadable cache %s (%s)", path, e)
@@ -379,107 +234,46 @@ class Influence:
         return True
 
     def _fit(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
-        if self.hessian == "joint":
-            return self._fit_joint(store, layers, block_size)
-        if self.hessian == "ekfac":
-            fisher, trace, num = ekfac_fisher(store, layers, block_size=block_size)
-        elif self.hessian == "raw":
-            fisher, trace, num = fisher_stats(store, layers, block_size=block_size)
-        else:
-            fisher, trace, num = lowrank_fisher(store, layers, self.rank, oversample=self.oversample,
-                                                iterations=self.iterations, block_size=block_size, seed=self.seed)
-        shapes = store.layer_shapes
+        curvature = self._curvature
+        groups = curvature.groups(layers)
+        factors, trace, num = curvature.estimate(store, layers, block_size=block_size)
+        damping, dead = self._damping(layers, groups, trace, num, layer_dims(store.layer_shapes, layers))
+        factors = curvature.finalize(factors, damping)
+        by_layer = {n: damping[g] for g, members in groups.items() for n in members}
+        self._fitted = {"factors": factors, "damping": by_layer, "layers": list(layers), "dead": dead}
+        self.info = {"hessian": self.hessian,
+                     "damping": {n: damping[g] for g, members in groups.items() if g not in dead for n in members},
+                     "num_rows": num, **({"rank": curvature.rank} if curvature.rank is not None else {}),
+                     **({"dead_layers": dead} if dead else {})}
+
+    def _damping(self, layers: Sequence[str], groups: dict[str, list[str]], trace: dict[str, float], num: int,
+                 dims: dict[str, int]) -> tuple[dict[str, float], list[str]]:
+        """``({group: λ}, [left-out group])`` from each group's ``tr(F)`` over ``num`` rows."""
         # a layer whose every stored row is zero adds exactly 0 to every score, whatever its curvature:
         # it is left out (warned), not allowed to refuse the question (its relative λ would be 0)
-        dead = [n for n in layers if not trace[n] > 0]
-        if len(dead) == len(layers):
+        dead = [g for g in groups if not trace[g] > 0]
+        if len(dead) == len(groups):
             raise ValueError(f"influence: every scored layer has zero gradients in the store ({len(layers)} "
                              "layers): there is nothing to attribute with")
         if dead:
             log.warning("influence: %d layer(s) have zero gradients in every stored row and add nothing to any "
                         "score; they are left out: %s", len(dead), dead)
-        damping = {n: (self.damping if self.damping is not None
-                       else self.damping_ratio * trace[n] / (shapes[n][0] * shapes[n][1]) if n not in dead
-                       else 1.0) for n in layers}   # a left-out layer's λ is never used (info drops it)
-        dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
-        _warn_tiny_damping(damping, {n: trace[n] / dims[n] for n in layers if num < dims[n]})
-        if self.hessian == "raw":
-            factors = {}
-            for n in layers:             # F + λI in place, then its Cholesky factor; F is freed layer by layer
-                f = fisher.pop(n)
-                f.diagonal().add_(damping[n])
-                factors[n] = _cholesky_in_place(f, n)
-        else:                        # ekfac and lorif: the factors are what was fitted
-            factors = fisher
-        self._fitted = {"factors": factors, "damping": damping, "layers": list(layers), "dead": dead}
-        self.info = {"hessian": self.hessian, "damping": {n: d for n, d in damping.items() if n not in dead},
-                     "num_rows": num, **({"rank": self.rank} if self.hessian == "lorif" else {}),
-                     **({"dead_layers": dead} if dead else {})}
-
-    def _fit_joint(self, store: Any, layers: Sequence[str], block_size: int | None) -> None:
-        shapes = store.layer_shapes
-        dim = sum(shapes[n][0] * shapes[n][1] for n in layers)      # (too wide for explicit: fit() took a rank)
-        if self._explicit:
-            fisher, trace, num = joint_fisher(store, layers, block_size=block_size)
-        else:
-            factors, traces, num = lowrank_fisher(store, layers, self.joint_rank, oversample=self.oversample,
-                                                  iterations=self.iterations, block_size=block_size, seed=self.seed,
-                                                  joint=True)
-            factor, trace = factors[_JOINT], traces[_JOINT]
-        if not trace > 0:
-            raise ValueError(f"influence: every scored layer has zero gradients in the store ({len(layers)} "
-                             "layers): there is nothing to attribute with")
-        lam = self.damping if self.damping is not None else self.damping_ratio * trace / dim
-        if num < dim:
-            _warn_tiny_damping({"all layers (joint)": lam}, {"all layers (joint)": trace / dim})
-        if self._explicit:
-            fisher.diagonal().add_(lam)                    # in place: no second D×D matrix
-            factor = _cholesky_in_place(fisher, "all layers (joint)")
-        damping = dict.fromkeys(layers, lam)          # one λ, reported per layer like the other modes
-        self._fitted = {"factors": {_JOINT: factor}, "damping": damping, "layers": list(layers), "dead": []}
-        self.info = {"hessian": "joint", "damping": damping, "num_rows": num,
-                     **({"rank": self.joint_rank} if self.joint_rank is not None else {})}
+        width = {g: sum(dims[n] for n in members) for g, members in groups.items()}
+        damping = {g: (self.damping if self.damping is not None
+                       else self.damping_ratio * trace[g] / width[g] if g not in dead
+                       else 1.0) for g in groups}   # a left-out group's λ is never used (info drops it)
+        label = self._curvature.label
+        _warn_tiny_damping({label(g): d for g, d in damping.items()},
+                           {label(g): trace[g] / width[g] for g in groups if num < width[g]})
+        return damping, dead
 
     def prepare(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._fitted is None:
             raise RuntimeError("influence: fit(store, layers) must run before prepare (attribute() does it)")
-        out = (self._precondition_joint if self.hessian == "joint" else self._precondition_layers)(queries)
+        out = self._curvature.precondition(queries, self._fitted)
         if self.query_rank:
             self.info = {**self.info, "query_rank": self.query_rank}
         return lowrank_queries(out, self.query_rank)
-
-    def _precondition_layers(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, q in queries.items():
-            if name in self._fitted["dead"]:
-                continue                 # zero in every training row: its term of every score is 0
-            flat = _flat(q)
-            damping, factor = self._fitted["damping"][name], self._fitted["factors"][name]
-            if self.hessian == "raw":
-                pre = torch.cholesky_solve(flat.T, factor).T
-            elif self.hessian == "ekfac":
-                pre = ekfac_apply(flat.reshape(q.shape), *factor, damping)
-            else:
-                pre = woodbury_apply(flat, *factor, damping)
-            out[name] = pre.reshape(q.shape)
-        return out
-
-    def _precondition_joint(self, queries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        layers = self._fitted["layers"]
-        if set(queries) != set(layers):
-            raise ValueError(f"influence: hessian='joint' was fitted on layers {layers}; the queries have "
-                             f"{sorted(queries)}")
-        flats = [_flat(queries[name]) for name in layers]
-        flat, factor = torch.cat(flats, dim=1), self._fitted["factors"][_JOINT]
-        if self._explicit:
-            pre = torch.cholesky_solve(flat.T, factor).T
-        else:
-            pre = woodbury_apply(flat, *factor, self._fitted["damping"][layers[0]])
-        out, lo = {}, 0
-        for name, f in zip(layers, flats):
-            out[name] = pre[:, lo:lo + f.shape[1]].reshape(queries[name].shape)
-            lo += f.shape[1]
-        return out
 
     def score_block(self, state: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> torch.Tensor:
         total = None
@@ -487,20 +281,6 @@ class Influence:
             s = inner(pre, _double(grads[name]), self.route)
             total = s if total is None else total + s
         return total
-
-
-def _cholesky_in_place(matrix: torch.Tensor, what: str) -> torch.Tensor:
-    """The lower Cholesky factor of the damped Fisher ``matrix``, written over it (its memory is the
-    factor's: fitting holds one D×D matrix, not two)."""
-    # LAPACK works on column-major memory: a row-major ``out`` costs a D×D copy, the transposed view
-    # none. ``matrix`` is symmetric, so that view holds F too; its upper factor Lᵀ is our L row-major
-    info, column_major = torch.empty((), dtype=torch.int32), matrix.mT
-    upper, info = torch.linalg.cholesky_ex(column_major, upper=True, out=(column_major, info))
-    factor = upper.mT
-    if int(info) != 0:
-        raise torch.linalg.LinAlgError(f"influence: the damped Fisher of {what} is not positive definite (minor "
-                                       f"{int(info)} failed): raise the damping")
-    return factor
 
 
 TINY_DAMPING = 1e-10
