@@ -9,7 +9,8 @@ Example: a store of 3 training rows, scored against one query (in practice both 
     path = tempfile.mkdtemp() + "/store"
     with GradientStore.create(path, meta, StoreConfig()) as store:
         store.append(GradientRecord(ids=[7, 8, 9], step=0, lr=0.1, loss_scale=1.0,
-                                    grads={"fc": torch.tensor([[[1., 0], [0, 0]], [[0, 1], [0, 0]], [[2, 0], [0, 0]]])}))
+                                    grads={"fc": torch.tensor([[[1., 0], [0, 0]], [[0, 1], [0, 0]],
+                                                               [[2, 0], [0, 0]]])}))
     result = attribute(path, {"fc": torch.tensor([[[1., 0], [0, 0]]])}, method="graddot", top_k=2)
     print(result.as_dicts()[0])      # [{'index': 9, 'step': 0, 'score': 2.0}, {'index': 7, 'step': 0, 'score': 1.0}]
 """

@@ -25,8 +25,8 @@ import torch
 
 from .grouping import ByExample, GroupBy, GroupScores, Grouping
 
-__all__ = ["AttributionMethod", "AttributionResult", "BasisQueries", "ProjectedQueries", "register_method", "get_method",
-           "available_methods", "attribute"]
+__all__ = ["AttributionMethod", "AttributionResult", "BasisQueries", "ProjectedQueries", "register_method",
+           "get_method", "available_methods", "attribute"]
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,8 @@ def projector_difference(specs: dict[str, dict[str, Any]] | None, meta: dict[str
         if theirs is None or theirs == spec:
             continue
         fields = sorted(k for k in set(spec) | set(theirs) if spec.get(k) != theirs.get(k))
-        if "basis_digest" in fields and "kind" not in fields and spec.get("basis_digest") and theirs.get("basis_digest"):
+        if ("basis_digest" in fields and "kind" not in fields and spec.get("basis_digest")
+                and theirs.get("basis_digest")):
             return (f"layer {name!r} was projected onto another eigenbasis (basis digest {spec['basis_digest']} "
                     f"here, {theirs.get('basis_digest')} in the store): the basis file was replaced or "
                     "re-estimated after the store was written; query with the basis the run captured with")
@@ -256,7 +257,8 @@ def _grouping(group_by: "str | Grouping") -> "Grouping | None":
     try:
         kind = GroupBy(group_by)
     except ValueError:
-        raise ValueError(f"group_by must be one of {[g.value for g in GroupBy]} or a Grouping, got {group_by!r}") from None
+        raise ValueError(f"group_by must be one of {[g.value for g in GroupBy]} or a Grouping, "
+                         f"got {group_by!r}") from None
     if kind in (GroupBy.DOCUMENT, GroupBy.SOURCE):
         raise ValueError(f"group_by={group_by!r} needs the training data: pass ByDocument(corpus) or "
                          "BySource(corpus) (olmo_tda.methods.grouping; a run's OLMoRun builds them)")

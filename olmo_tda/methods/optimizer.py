@@ -396,8 +396,9 @@ class AdamCorrected:
     def fit(self, store: Any, layers: Sequence[str], block_size: int | None = None) -> None:
         """Not a fit: refuse a store whose projectors are not those the correction was built with."""
         if getattr(store, "bases", None):
-            raise AdamCorrectionError(f"{self.name}: the store's rows were projected with {len(store.bases)} eigenbasis "
-                                      "versions (capture.basis_every) and a correction is built for one projection; "
+            raise AdamCorrectionError(f"{self.name}: the store's rows were projected with {len(store.bases)} "
+                                      "eigenbasis versions (capture.basis_every) and a correction is built for one "
+                                      "projection; "
                                       "score it with graddot/gradcos, or a store of one basis")
         specs = {d.get("name"): d.get("projector") or {} for d in getattr(store, "meta", {}).get("layers", [])
                  if isinstance(d, dict)}
