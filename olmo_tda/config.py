@@ -532,6 +532,32 @@ class SelectionConfig:
             _check(Path(self.target).is_file(), f"{path}.target", f"no such file: {self.target}")
 
 
+class WandbMode(str, enum.Enum):
+    OFFLINE = "offline"
+    """Written under the run's folder only; ``wandb sync`` uploads it later."""
+    ONLINE = "online"
+    """Streamed to the W&B server (needs a login)."""
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases logging of the ``tda/*`` step metrics. Under OLMo, a run OLMo itself logs to
+    (its ``wandb:`` section) gets them whatever this says; this section starts a run where none is
+    (a DeepSpeed run, an OLMo run without ``wandb:``)."""
+
+    enabled: bool = False
+    """Start a W&B run (on rank 0) when none is running, and log every step's ``tda/*`` metrics to it."""
+    project: str = "olmo-tda"
+    name: str | None = None
+    """The W&B run's name; by default W&B makes one up."""
+    mode: WandbMode = WandbMode.OFFLINE
+    """``offline`` (the default: no network, no login) or ``online``. ``WANDB_MODE`` overrides it."""
+
+    def validate(self, path: str = "wandb") -> None:
+        _check_types(self, path)
+        _check(bool(self.project), f"{path}.project", "must be a non-empty project name")
+
+
 @dataclass(kw_only=True)
 class TDAConfig:
     """The whole ``tda:`` section. ``enabled: true`` is the one flag that switches TDA on."""
@@ -543,6 +569,12 @@ class TDAConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    callbacks: list[str] = field(default_factory=list)
+    """The run's own training callbacks, ``"package.module:ClassName"`` each (a subclass of
+    :class:`olmo_tda.training.callbacks.Callback`, built with no arguments): after every optimizer
+    step each gets the step, the model, the batch's ids, the captured record and the metrics, and its
+    ``state_dict`` travels in the run's checkpoints (docs/CALLBACKS.md)."""
 
     def validate(self, path: str = "tda") -> None:
         _check_types(self, path)
@@ -551,6 +583,10 @@ class TDAConfig:
         self.batch.validate(f"{path}.batch")
         self.trajectory.validate(f"{path}.trajectory")
         self.selection.validate(f"{path}.selection")
+        self.wandb.validate(f"{path}.wandb")
+        for n, spec in enumerate(self.callbacks):
+            _check(spec.count(":") == 1 and all(spec.split(":")), f"{path}.callbacks[{n}]",
+                   f"expected 'package.module:ClassName', got {spec!r}")
         if self.selection.enabled and not self.enabled:
             warnings.warn(f"{path}.selection is ignored: {path}.enabled is false (the run is plain training)",
                           stacklevel=2)

@@ -42,6 +42,7 @@ import functools
 import inspect
 import logging
 import math
+import time
 import weakref
 from collections.abc import Mapping
 from functools import partial
@@ -59,7 +60,10 @@ from ..config import ConfigError, LossReduction, ProjectionType, TDAConfig
 from ..store import GradientRecord, GradientStore
 from ..store.format import BASES_DIR
 from ..store.record import cat_rows
-from . import check_rows_continue, cut_departed_ranks, decided_on_rank0, resume_state, sum_over_ranks
+from ..training.callbacks import Callback, Callbacks, StepEnd
+from ..training.metrics import MetricsLogger, capture_numbers
+from . import (check_rows_continue, cut_departed_ranks, decided_on_rank0, resume_state, sum_and_max_over_ranks,
+               sum_over_ranks)
 
 __all__ = ["attach", "close_open_sessions", "estimate_basis", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
 
@@ -87,7 +91,8 @@ BatchInfo = Callable[[tuple, dict], "tuple[Any, float]"]
 
 
 def attach(engine: Any, config: TDAConfig | Mapping | str | Path | None = None, *,
-           capture: GradientCapture | None = None, batch_info: BatchInfo | None = None) -> "DeepSpeedTDA":
+           capture: GradientCapture | None = None, batch_info: BatchInfo | None = None,
+           callbacks: Iterable[Callback] = ()) -> "DeepSpeedTDA":
     """Capture every example of every optimizer step of ``engine`` into a gradient store.
 
     Args:
@@ -97,9 +102,15 @@ def attach(engine: Any, config: TDAConfig | Mapping | str | Path | None = None, 
         capture: a :class:`GradientCapture` already attached to the model (e.g. before
             ``deepspeed.initialize``); by default one is built on ``engine.module``.
         batch_info: custom ``(ids, divisor)`` extraction for batches that are not dicts.
+        callbacks: :class:`~olmo_tda.training.callbacks.Callback` instances, run after those the
+            config's ``callbacks`` names at the end of every optimizer step.
+
+    After each optimizer step the run's ``tda/*`` metrics go to ``<store>/../metrics.jsonl``, to W&B
+    (a run of this process, or one ``tda.wandb.enabled`` starts) and to DeepSpeed's monitor.
     """
     _refuse_pipeline(engine)
-    return DeepSpeedTDA(engine, _resolve_config(engine, config), capture=capture, batch_info=batch_info)
+    return DeepSpeedTDA(engine, _resolve_config(engine, config), capture=capture, batch_info=batch_info,
+                        callbacks=callbacks)
 
 
 def _refuse_pipeline(engine: Any) -> None:
@@ -196,7 +207,7 @@ class DeepSpeedTDA:
     """The TDA session of one engine: capture, store, and the engine-method wrappers."""
 
     def __init__(self, engine: Any, config: TDAConfig, *, capture: GradientCapture | None = None,
-                 batch_info: BatchInfo | None = None):
+                 batch_info: BatchInfo | None = None, callbacks: Iterable[Callback] = ()):
         self.engine = engine
         self.config = config
         self.capture: GradientCapture | None = None
@@ -216,6 +227,10 @@ class DeepSpeedTDA:
         self._handles: list[Any] = []
         self._owns_capture = capture is None
         self._warned_unused = False
+        self.run_callbacks = Callbacks()
+        self.metrics_log: MetricsLogger | None = None
+        self._run_rows = 0          # the run's rows so far, all ranks, through resumes
+        self._step_clock = 0.0
         if not config.enabled:
             return
         if not config.store.enabled:        # e.g. a run that only selects data: no capture session
@@ -259,13 +274,19 @@ class DeepSpeedTDA:
                                          config.trajectory.path or default_trajectory_path(config.store.path),
                                          projector_hash=self.capture.projector_hash, rank=_rank())
         try:
+            self.run_callbacks = Callbacks([*config.callbacks, *callbacks])
+            self.metrics_log = MetricsLogger(Path(config.store.path).parent, config.wandb, rank=_rank(),
+                                             config={"tda": config.to_dict()})
             self._handles.append(engine.module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
             for name in _WRAPPED:
                 if hasattr(type(engine), name):      # `scale` (manual backward) is DeepSpeed >= 0.18
                     setattr(engine, name, getattr(self, f"_{name}"))
         except BaseException:
             self.remove()
+            if self.metrics_log is not None:
+                self.metrics_log.close()
             raise
+        self._step_clock = time.perf_counter()
         self._atexit = partial(_close_at_exit, weakref.WeakMethod(self.close))
         atexit.register(self._atexit)
         _OPEN_SESSIONS.add(self)
@@ -401,8 +422,11 @@ class DeepSpeedTDA:
             self.trajectory.maybe_save(0, self._full_weights, lrs=lrs, tokens_seen=0)   # θ_0, before the update
         out = type(engine).step(engine, *args, **kwargs)
         records, self._pending = self._pending, []
+        record, append_ms = None, 0.0
         if engine.was_step_applied():
-            self._commit(records, step=int(engine.global_steps), lr=lr)
+            t1 = time.perf_counter()
+            record = self._commit(records, step=int(engine.global_steps), lr=lr)
+            append_ms = 1e3 * (time.perf_counter() - t1)
             if self.follower is not None:   # after the commit: this step's rows are the old version's
                 self.follower.after_step(int(engine.global_steps))
             if self.trajectory is not None:
@@ -412,33 +436,49 @@ class DeepSpeedTDA:
             self.steps_dropped += 1
             log.info("tda: step %d was skipped by the engine (overflow); its %d examples are not recorded",
                      engine.global_steps, sum(len(r.ids) for r in records))
-        self._monitor(int(engine.global_steps))
+        self._step_end(int(engine.global_steps), record, append_ms)
         return out
 
-    def _commit(self, records: list[Recording], step: int, lr: float) -> None:
+    def _step_end(self, step: int, record: GradientRecord | None, append_ms: float) -> None:
+        """The step's run-wide ``tda/*`` metrics (one collective), then the callbacks, the metrics
+        log and DeepSpeed's monitor. Every rank comes here at every optimizer step."""
+        now = time.perf_counter()
+        sums, maxima, metrics = capture_numbers(self.store, self.follower, rows=len(record.ids) if record else 0,
+                                                append_ms=append_ms, seconds=now - self._step_clock,
+                                                row_bytes=self._row_bytes())
+        self._step_clock = now
+        summed, slowest = sum_and_max_over_ranks(list(sums.values()), list(maxima.values()), self.engine.device)
+        metrics.update(zip(sums, summed))
+        metrics.update(zip(maxima, slowest))
+        self._run_rows += int(metrics["tda/rows_captured"])
+        metrics["tda/rows_captured"] = float(self._run_rows)
+        ids = record.ids if record is not None else np.zeros(0, dtype=np.int64)
+        self.run_callbacks.step_end(StepEnd(step=step, model=self.engine.module, ids=ids, record=record,
+                                            metrics=metrics, rank=_rank(), world_size=_world_size()))
+        self.metrics_log.log(step, metrics)
+        monitor = getattr(self.engine, "monitor", None)
+        if monitor is not None and monitor.enabled and _rank() == 0:
+            samples = int(getattr(self.engine, "global_samples", step))
+            monitor.write_events([(k, float(v), samples) for k, v in metrics.items()])
+
+    def _row_bytes(self) -> int:
+        return (4 if self.config.store.dtype.value == "float32" else 2) * self.capture.floats_per_example
+
+    def _commit(self, records: list[Recording], step: int, lr: float) -> GradientRecord | None:
         if not records:
-            return
+            return None
         kept = self._undo_loss_factors(records)      # before the rows are de-scaled
         ids = np.concatenate([r.ids for r in records])
         scales = np.concatenate([np.full(len(r.ids), scale) for r, scale in zip(records, kept)])
         parts = [r.stored() for r in records]          # dense, or LoRIF factors with capture.rank
         grads = {name: cat_rows([p[name] for p in parts]) if len(parts) > 1 else parts[0][name]
                  for name in parts[0]}
-        self.store.append(GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads,
-                                         basis=records[0].basis_version))
+        record = GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads,
+                                basis=records[0].basis_version)
+        self.store.append(record)
         self.steps_committed += 1
         self.rows_captured += len(ids)
-
-    def _monitor(self, step: int) -> None:
-        """The run's numbers to DeepSpeed's monitor after an optimizer step. Every rank comes here at
-        every step (a rank without records too) and ``monitor.enabled`` is the config's, the same on
-        every rank: all join the reduction."""
-        monitor = getattr(self.engine, "monitor", None)
-        if monitor is not None and monitor.enabled:
-            numbers = self.run_metrics()
-            if _rank() == 0:
-                samples = int(getattr(self.engine, "global_samples", step))
-                monitor.write_events([(f"tda/{k}", float(v), samples) for k, v in numbers.items()])
+        return record
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         orig = type(self.engine).save_checkpoint
@@ -449,7 +489,8 @@ class DeepSpeedTDA:
             raise ConfigError(f"save_checkpoint: client_state key {STATE_KEY!r} is olmo_tda's (its store position "
                               "goes there); rename yours")
         self.store.flush()                      # every committed step is durable before the checkpoint exists
-        state = {**self.state_dict(), "rows_captured_run": self.run_metrics()["rows_captured"]}   # every rank saves
+        state = {**self.state_dict(), "rows_captured_run": self.run_metrics()["rows_captured"],   # every rank saves
+                 "callbacks": self.run_callbacks.gathered_state()}     # (collective too)
         bound.arguments["client_state"] = {**user_state, STATE_KEY: state}
         return orig(*bound.args, **bound.kwargs)
 
@@ -499,7 +540,10 @@ class DeepSpeedTDA:
             except EigenBasisError as e:
                 raise ConfigError(f"tda.capture.basis_every: {e}") from None
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
-        self._rows_before = int((state or {}).get("rows_captured_run", 0))
+        self._rows_before = self._run_rows = int((state or {}).get("rows_captured_run", 0))
+        self.metrics_log.cut_after(step)        # its later steps will be run again
+        if state is not None:
+            self.run_callbacks.load_gathered(state.get("callbacks"), _rank())
         self.rows_captured = self.steps_committed = self.steps_dropped = 0      # this rank's, since the resume
 
     def start_over(self) -> None:
@@ -509,6 +553,7 @@ class DeepSpeedTDA:
         attempt go at the first step, as on any fresh start."""
         dropped = self.store.truncate_after(0)
         cut_departed_ranks(self.store, 0)
+        self.metrics_log.cut_after(0)
         if dropped:
             log.info("tda: dropped this rank's %d stored rows (the run starts over)", dropped)
 
@@ -557,7 +602,10 @@ class DeepSpeedTDA:
         try:
             if self.store is not None:
                 self.store.close()
+            self.run_callbacks.close()
         finally:
+            if self.metrics_log is not None:
+                self.metrics_log.close()
             self.remove()
             if getattr(self, "_atexit", None) is not None:
                 atexit.unregister(self._atexit)

@@ -40,7 +40,6 @@ Example (what ``olmo-tda train run.yaml --tda.capture.proj_dim=32`` does)::
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -61,6 +60,8 @@ from ..capture.eigenbasis import EigenBasisError, estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, SelectionPolicy, TDAConfig
 from ..store import GradientStore
 from ..store.format import BASES_DIR
+from ..training.callbacks import Callback, Callbacks, StepEnd
+from ..training.metrics import MetricsLogger, capture_numbers
 from . import check_rows_continue, cut_departed_ranks, resume_state, sum_and_max_over_ranks
 
 try:
@@ -157,7 +158,8 @@ class TDATrainer(Trainer):
 
     tda: TDAConfig = field(default_factory=TDAConfig)
     step_callbacks: list = field(default_factory=list)
-    """Called as ``fn(step, metrics)`` after every optimizer step (progress bars, custom logging)."""
+    """Called after every optimizer step, after the run's ``tda.callbacks``: each a
+    :class:`~olmo_tda.training.callbacks.Callback`, or a function ``fn(step, metrics)`` (progress bars)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -167,13 +169,17 @@ class TDATrainer(Trainer):
         self.trajectory = None
         self._record = None
         self._rows_captured = 0
-        self._metrics_file = None
+        self.metrics_log = None
+        self.run_callbacks = Callbacks()
         self.selector = None
         self._carried_selection = None      # a checkpoint's selection state, kept on while selection is off
         if not self.tda.enabled:
             return
         tda_dir = Path(self.cfg.save_folder) / "tda"
         try:
+            self.run_callbacks = Callbacks([*self.tda.callbacks,
+                                            *(c for c in self.step_callbacks if isinstance(c, Callback))])
+            self.step_callbacks = [c for c in self.step_callbacks if not isinstance(c, Callback)]
             if self.tda.store.enabled:
                 self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
                 store_path = Path(self.tda.store.path or tda_dir / "store")
@@ -190,9 +196,9 @@ class TDATrainer(Trainer):
                                                   distributed=_world_size() > 1,
                                                   barrier=dist.barrier if _world_size() > 1 else None)
                     self.follower.start(1)      # a resume replaces the history with its checkpoint's
-            if _rank() == 0:   # a local copy of the step metrics for reports (W&B may be off or offline)
-                tda_dir.mkdir(parents=True, exist_ok=True)      # here wherever the store is: reports look here
-                self._metrics_file = open(tda_dir / "metrics.jsonl", "a", buffering=1)
+            # here wherever the store is: reports look here
+            self.metrics_log = MetricsLogger(tda_dir, self.tda.wandb, rank=_rank(),
+                                             config={"tda": self.tda.to_dict(), "run_name": self.cfg.run_name})
             if self.tda.selection.enabled:
                 self._start_selection(tda_dir / "selection")
             if self.tda.trajectory.enabled:
@@ -221,8 +227,11 @@ class TDATrainer(Trainer):
                 self.capture.remove()
             if self.selector is not None:
                 self.selector.close()
-            if self._metrics_file is not None:
-                self._metrics_file.close()
+            try:
+                self.run_callbacks.close()
+            finally:
+                if self.metrics_log is not None:
+                    self.metrics_log.close()
 
     def _with_basis(self, capture: CaptureConfig) -> CaptureConfig:
         """``capture`` with ``basis`` set to the run's eigenbasis file, estimated first if missing."""
@@ -448,57 +457,59 @@ class TDATrainer(Trainer):
             if self.global_step == 1:       # θ_0's lr: the one its gradient was used with (warmup's first)
                 self.trajectory.set_lrs(0, [float(g["lr"]) for g in self.optim.param_groups])
             self._keep_trajectory(self.global_step)
-        counts: dict[str, float] = {}
-        if self.store is not None:
-            rows, append_ms = 0, 0.0
-            if self._record is not None:
-                t1 = time.perf_counter()
-                lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
-                # the row's weight in the step's update: OLMo divides by this rank's tokens and DDP/FSDP
-                # average over the ranks, so TracIn's lr / loss_scale needs the global batch's tokens
-                record = self._record.to_record(step=self.global_step, lr=lr)
-                record.loss_scale = record.loss_scale * _world_size()
-                self.store.append(record)
-                rows = len(self._record.ids)
-                if self.selector is not None:       # the sources policy learns from these very rows
-                    self.selector.observe(self._record)
-                self._record = None
-                append_ms = 1e3 * (time.perf_counter() - t1)
-            if self.follower is not None:   # after the append: this step's rows are the old version's
-                self.follower.after_step(self.global_step)
-                metrics["tda/basis_versions"] = float(len(self.follower.versions))
-                metrics["tda/basis_refresh_s"] = self.follower.refresh_seconds
-            # the slowest rank's (below): a rank whose writer falls behind (a slow disk: its queue full)
-            # holds up every rank's next step, and would go unseen in rank 0's own number or in a mean
-            metrics["tda/append_ms"] = append_ms
-            stats = self.store.stats
-            # the run's, summed over the ranks below (each rank's own store counters are cumulative)
-            counts = {"tda/rows_captured": rows,
-                      "tda/rows_skipped_nonfinite": stats.get("rows_skipped_nonfinite", 0),
-                      "tda/examples_per_s": len(batch["index"]) / max(time.perf_counter() - t0, 1e-9),
-                      "tda/bytes_written": stats.get("rows_written", 0) * self._row_bytes}
+        record, sums, maxima = self._store_step(metrics, t0)
         # tda/metrics.jsonl keeps every step's loss: OLMo averages it over the ranks only on the steps
         # it logs, and rank 0's own loss is not the run's. Averaged here on a copy, so OLMo's own state
         # (cur_train_loss, early stopping) is what OLMo made it
         losses = [k for k in _LOSS_KEYS if k in metrics] if self.tda.enabled and not reduce_global_loss else []
-        self._sum_over_ranks(metrics, losses, counts)
+        self._sum_over_ranks(metrics, losses, sums, maxima)
         if self.selector is not None and self.selector.due(self.global_step):
             self._selection_round(metrics)
-        if self._metrics_file is not None:
-            self._metrics_file.write(json.dumps({"step": self.global_step, **metrics}) + "\n")
+        if self.tda.enabled:
+            ids = np.asarray(batch["index"].cpu() if "index" in batch else [], dtype=np.int64)
+            self.run_callbacks.step_end(StepEnd(step=self.global_step, model=self.dist_model, ids=ids, record=record,
+                                                metrics=metrics, rank=_rank(), world_size=_world_size()))
+        if self.metrics_log is not None:
+            self.metrics_log.log(self.global_step, metrics)
         for callback in self.step_callbacks:
             callback(self.global_step, metrics)
         return metrics
 
-    def _sum_over_ranks(self, metrics: dict[str, float], losses: list[str], counts: dict[str, float]) -> None:
+    def _store_step(self, metrics: dict[str, float], t0: float):
+        """Hand the step's record to the store (and the selector's sources policy), then refresh the
+        following basis if due: the record, and this rank's capture numbers to sum and to maximize over
+        the ranks (empty without a store)."""
+        if self.store is None:
+            return None, {}, {}
+        record, append_ms = None, 0.0
+        if self._record is not None:
+            t1 = time.perf_counter()
+            lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
+            # the row's weight in the step's update: OLMo divides by this rank's tokens and DDP/FSDP
+            # average over the ranks, so TracIn's lr / loss_scale needs the global batch's tokens
+            record = self._record.to_record(step=self.global_step, lr=lr)
+            record.loss_scale = record.loss_scale * _world_size()
+            self.store.append(record)
+            if self.selector is not None:       # the sources policy learns from these very rows
+                self.selector.observe(self._record)
+            self._record = None
+            append_ms = 1e3 * (time.perf_counter() - t1)
+        if self.follower is not None:   # after the append: this step's rows are the old version's
+            self.follower.after_step(self.global_step)
+        sums, maxima, same = capture_numbers(self.store, self.follower, rows=len(record.ids) if record else 0,
+                                             append_ms=append_ms, seconds=time.perf_counter() - t0,
+                                             row_bytes=self._row_bytes)
+        metrics.update(same)
+        return record, sums, maxima
+
+    def _sum_over_ranks(self, metrics: dict[str, float], losses: list[str], counts: dict[str, float],
+                        maxima: dict[str, float]) -> None:
         """Into ``metrics``: the rank-local ``losses`` (keys of it) as their mean over the ranks,
-        ``counts`` as their sum, the run's, and ``tda/append_ms`` as the slowest rank's, with one
-        collective; ``tda/rows_captured`` as the run's total so far (carried over a resume by the
-        checkpoint)."""
-        slowest = [k for k in ("tda/append_ms",) if k in metrics]
-        values, maxima = sum_and_max_over_ranks([metrics[k] for k in losses] + list(counts.values()),
-                                                [metrics[k] for k in slowest], self.device)
-        metrics.update(zip(slowest, maxima))
+        ``counts`` as their sum, the run's, and ``maxima`` as the slowest rank's, with one collective;
+        ``tda/rows_captured`` as the run's total so far (carried over a resume by the checkpoint)."""
+        values, slowest = sum_and_max_over_ranks([metrics[k] for k in losses] + list(counts.values()),
+                                                 list(maxima.values()), self.device)
+        metrics.update(zip(maxima, slowest))
         for key, value in zip(losses, values):
             metrics[key] = value / _world_size()
         if losses and "train/CrossEntropyLoss" in metrics and "train/Perplexity" in metrics:
@@ -546,6 +557,8 @@ class TDATrainer(Trainer):
                             "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id,
                             "rows_captured": self._rows_captured,    # the run's, all ranks
                             **resume_state(self.store)}     # flushed: this rank's rows up to here
+        if self.tda.enabled:                # collective: every rank's callback state, kept by rank 0
+            state["tda_callbacks"] = self.run_callbacks.gathered_state()
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
         if self.follower is not None:       # the basis versions in force up to this step
@@ -599,8 +612,10 @@ class TDATrainer(Trainer):
                         state_dict["tda_selection"]["rounds"], self.global_step)
         if self.trajectory is not None and not new_timeline:     # drops the abandoned run's later checkpoints
             self.trajectory.resume(self.global_step, state_dict.get("tda_trajectory"))
-        if self._metrics_file is not None:  # and its later steps' metrics, which will be re-run
-            self._cut_metrics(self.global_step)
+        if self.metrics_log is not None:    # and its later steps' metrics, which will be re-run
+            self.metrics_log.cut_after(self.global_step)
+        if not new_timeline:                # the run's own callbacks, as they were at the checkpoint
+            self.run_callbacks.load_gathered(state_dict.get("tda_callbacks"), _rank())
         if self.selector is not None:
             self._reapply_selection()
         if self.store is None:
@@ -616,25 +631,6 @@ class TDATrainer(Trainer):
                                               self.global_step, stored=self.store.bases)
             except EigenBasisError as e:
                 raise ConfigError(f"tda.capture.basis_every: {e}") from None
-
-    def _cut_metrics(self, step: int) -> None:
-        """Keep ``tda/metrics.jsonl``'s rows up to ``step`` (written to a temp file, then renamed)."""
-        from ..report.html import read_metrics
-
-        path = Path(self._metrics_file.name)
-        self._metrics_file.close()
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            kept = [row for row in read_metrics(path) if row["step"] <= step]
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(row) + "\n" for row in kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except (ValueError, OSError) as e:   # a damaged local copy must not stop the run: W&B has them too
-            log.warning("tda: %s: %s; left as it is (steps past %d stay in it)", path, e, step)
-            tmp.unlink(missing_ok=True)
-        self._metrics_file = open(path, "a", buffering=1)
 
     def save_checkpoint(self, checkpoint_type: CheckpointType = CheckpointType.sharded):
         if self.store is not None:

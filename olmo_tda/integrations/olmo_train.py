@@ -170,7 +170,8 @@ def _start_wandb(cfg) -> None:
 
 def train(cfg, tda_cfg: TDAConfig, step_callbacks=(), trainer_cls: type | None = None) -> None:
     """Run OLMo pretraining with TDA as configured (call under torchrun, or plainly for one process).
-    ``step_callbacks``: ``fn(step, metrics)`` called after every optimizer step; ``trainer_cls``: a
+    ``step_callbacks``: :class:`~olmo_tda.training.callbacks.Callback` instances (they run after those
+    ``tda.callbacks`` names) or functions ``fn(step, metrics)``, called after every optimizer step; ``trainer_cls``: a
     :class:`~olmo_tda.integrations.olmo.TDATrainer` subclass to train with.
 
     As OLMo's own script, ``try_load_latest_save`` resumes from the save folder's latest checkpoint
