@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The capture-overhead device check (a lent GPU machine: its own CUDA torch as python3, no ai2-olmo):
+# The capture-overhead GPU check (a GPU machine with its own CUDA torch as python3, no ai2-olmo):
 # where capture's step overhead goes at compute-bound sizes. From the checkout root:
 #
 #   bash benchmarks/gpu_overhead.sh [OUT_DIR]      # OUT_DIR defaults to $OUT, else ./gpu_out

@@ -1,4 +1,4 @@
-"""Run the benchmarks and regenerate their generated sections of docs/BENCHMARKS.md.
+"""Run the benchmarks and regenerate the generated sections of docs/benchmarks/peers.md.
 
     python -m benchmarks.run_all                 # peers side by side, both models (~22 min), then the doc
     python -m benchmarks.run_all --quick         # peers --quick (~8 min)
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "BENCHMARKS.md"
+DOC = ROOT / "docs" / "benchmarks" / "peers.md"
 
 # the other scripts and the flags that keep them short; each prints a JSON last line
 OTHERS = {
@@ -46,7 +46,7 @@ OTHERS = {
 
 # the peers workload's model -> (generated block, the section it is appended under if absent)
 BLOCKS = {
-    "linear": ("peers", "## Side by side with the peers (issue 8) — dattri-llm, Kronfluence, dattri, TRAK, LogIX"),
+    "linear": ("peers", "## Side by side with the peers — dattri-llm, Kronfluence, dattri, TRAK, LogIX"),
     "olmo": ("peers_olmo", "### The same on ai2-olmo's OLMo model"),
 }
 

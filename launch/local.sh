@@ -13,9 +13,9 @@
 #   WANDB_MODE       offline unless you set it
 #   PYTHON, TORCHRUN the executables (default: python and torchrun on PATH)
 #   MAX_RESTARTS     torchrun --max_restarts with NPROC > 1 (default 0); with it torchrun's store is not
-#                    shared with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see launch/README.md)
+#                    shared with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see docs/LAUNCH.md)
 #   DRY_RUN          1 = print the exact environment and command and exit 0; 0 or unset = run
-# See launch/README.md.
+# See docs/LAUNCH.md.
 
 set -euo pipefail
 

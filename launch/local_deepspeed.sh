@@ -17,7 +17,7 @@
 #   WANDB_MODE       offline unless you set it
 #   PYTHON, DEEPSPEED  the executables (default: python and deepspeed on PATH)
 #   DRY_RUN          1 = print the exact environment and command and exit 0; 0 or unset = run
-# See launch/README.md.
+# See docs/LAUNCH.md.
 
 set -euo pipefail
 

@@ -67,7 +67,7 @@ from .workload import (ARCHS, RELATIVE_DAMPING, Workload, exact_gradients, examp
 
 PEERS = {"linear": {"Kronfluence (EK-FAC, unprojected)": 0.576, "TRAK (832)": 0.456},
          "olmo": {"Kronfluence (EK-FAC, unprojected)": 0.483, "TRAK (576)": 0.511}}
-"""The peers' influence Spearman in the recorded peers runs (docs/BENCHMARKS.md), per workload model,
+"""The peers' influence Spearman in the recorded peers runs (docs/benchmarks/peers.md), per workload model,
 for the table."""
 
 

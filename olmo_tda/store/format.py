@@ -26,8 +26,8 @@ Inside a shard (N rows, layer ``i`` of ``store.json["layers"]`` with shape ``[k_
 
 Every dataset carries a ``crc32`` attribute: zlib's CRC-32 of its values' bytes in row order (as
 uncompressed), which :func:`dataset_crc32` recomputes and ``GradientStore.verify`` compares (shards
-written before it was added have none). A query does not check it: damage inside a complete file is
-found by ``olmo-tda inspect --verify``, not on every read.
+written before it was added have none). Every read of a shard's rows compares it (a damaged row is
+never scored); ``olmo-tda inspect --verify`` checks every shard at once.
 
 HDF5 names never contain module names (they may contain ``/`` or ``.``): layer ``i`` is
 ``grads/L{i:04d}`` and its name lives only in ``store.json``.

@@ -735,7 +735,7 @@ class _Segment:
 class _Window:
     """The rows of the window being filled, in segments that records are encoded into directly and
     that are reused from window to window: a flush joins nothing (each segment's rows are written at
-    their place in the shard), the pages stay mapped (on the 2-core VM of ``docs/BENCHMARKS.md``
+    their place in the shard), the pages stay mapped (on the 2-core CPU of ``docs/BENCHMARKS.md``
     touching fresh pages cost about what the copy into them did), and the window grows by adding a
     segment as large as all before it, never by copying. Rows keep their append order.
 
