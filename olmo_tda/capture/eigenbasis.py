@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import CaptureConfig, ConfigError
+from .layers import select_linears
 from .projection import MatrixProjector, matrices_digest
 
 __all__ = ["EigenBasis", "EigenBasisError", "EigenProjector", "KroneckerCovariance", "LayerBasis",
@@ -427,8 +428,6 @@ class _CovarianceHooks:
 def _select(model: nn.Module, config: CaptureConfig) -> tuple[dict[str, nn.Linear], dict[str, bool]]:
     """The Linear layers (canonical names) a ``GradientCapture`` with ``config`` captures, and which of
     them capture a bias column: exactly the capture's own selection rule."""
-    from .hooks import select_linears
-
     modules = {n: m for n, m in select_linears(model, config).items() if isinstance(m, nn.Linear)}
     return modules, {n: config.include_bias and m.bias is not None for n, m in modules.items()}
 

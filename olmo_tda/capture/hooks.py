@@ -1,25 +1,10 @@
 """GradientCapture: per-example projected gradients of nn.Linear layers from any ``backward()`` loop.
 
-Shapes (legend): B examples in a forward, T tokens per example (all dims between the first and the
-last are flattened into T), I/O layer input/output width, Ki/Ko projected widths.
-
-The hot path, per selected Linear and forward call:
-  forward hook  : ``acts_BTKi = P_in a``   (fp32, autocast off) and a tensor hook on the output
-  tensor hook   : ``grads_BTKo = P_out g`` then ``Ĝ_BKoKi = grads_BTKoᵀ @ acts_BTKi`` added to the record
-                  (with ``capture.rank: c``, a layer whose examples are short by the FLOP rule of
-                  :func:`~olmo_tda.capture.factors.factor_route` keeps the two token factors instead)
-Nothing else happens on the step: de-scaling by ``loss_scale``, concatenation over micro-batches and
-rank-c factorization (LoRIF) happen once per record, lazily, off the hooks. An example whose gradient
-is not finite keeps non-finite rows (its LoRIF factors are NaN), which the store skips and counts.
-
-Why a tensor hook on the output and not ``register_full_backward_hook``: the latter breaks when the
-Linear's output is modified in place (OLMo's ``clip_qkv`` clamp); a tensor hook registered before
-the in-place op receives the gradient w.r.t. the pre-modification value, which is what we need.
-Each forward call captures its own activations in the hook's closure, so a Linear used twice in one
-forward adds both contributions; activation checkpointing recomputes a forward whose gradient hooks
-either are the only ones that fire (re-entrant: the first forward runs under no_grad and is skipped)
-or never fire (non-reentrant: the recomputed outputs are not in the backward graph). What a forward
-hook measures for :meth:`GradientCapture.moments` is therefore added when its gradient hook fires.
+This file is the owner: it selects the layers (:mod:`.layers`), builds their projectors (checking an
+eigenbasis file against ``capture.budget``), registers every hook and removes them all, and offers
+the blocks a loop uses — ``record`` (yields a :class:`~olmo_tda.capture.recording.Recording`),
+``pause``, ``moments`` (:mod:`.moments`), ``scaled``. What the hooks do on a step is
+:mod:`.hot_path` (hook → project → accumulate), plus :mod:`.tied_head` for a tied output head.
 
 Example::
 
@@ -34,278 +19,30 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import logging
-import math
-import re
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..config import CaptureConfig, FactorRoute, to_plain
-from ..store.record import GradientRecord, LowRank, cat_rows
-from .factors import factor_route, lowrank_factors, truncate_dense
+from ..config import CaptureConfig, to_plain
+from .hot_path import LayerHooks
+from .hot_path import _in_backward as _in_backward    # integrations/deepspeed.py imports it from here
+from .layers import CaptureError, canonical_name, layer_dims, matches, select_linears
+from .moments import LayerMoments, reduce_moments
 from .projection import Projector, make_projector, specs_hash
+from .recording import Recording
+from .tied_head import TiedHeadHooks, tied_heads
 
 __all__ = ["GradientCapture", "Recording", "CaptureError", "LayerMoments", "reduce_moments",
            "canonical_name", "select_linears"]
 
 log = logging.getLogger(__name__)
 
-# Wrapper segments that DDP / FSDP / activation checkpointing / torch.compile insert into module
-# names. Projector seeds derive from names, so a layer must have the same name however it is wrapped.
-_WRAPPER_SEGMENTS = re.compile(r"(^|\.)(module|_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
 
-
-def canonical_name(name: str) -> str:
-    """Module name with wrapper segments removed: ``module.blocks.0._fsdp_wrapped_module.ff_out``
-    → ``blocks.0.ff_out``."""
-    return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
-
-
-class CaptureError(RuntimeError):
-    """Capture was used in a way that cannot give correct gradients; the message says how to fix it."""
-
-
-class Recording:
-    """Per-example gradients collected during one ``with cap.record(ids, loss_scale)`` block.
-
-    Rows follow forward order: with gradient accumulation (several forward/backward pairs inside one
-    block) ``ids`` lists the examples of every micro-batch, in the order the forwards ran.
-    """
-
-    def __init__(self, capture: "GradientCapture", ids: Any, loss_scale: float):
-        self.ids = _as_ids(ids)
-        self.loss_scale = float(loss_scale)
-        self.projector_hash = capture.projector_hash
-        """Identifies the projectors: :func:`~olmo_tda.attribute` refuses a store made with others."""
-        self.projector_specs = capture.projector_specs
-        """Each layer's projector spec: names the first layer and field that differ from a store's."""
-        self.basis_version = capture.basis_version
-        """Digest of the eigenbasis version these gradients were projected with (None: unversioned)."""
-        self._capture = capture
-        # forward id -> name -> dense Ĝ [B, Ko, Ki], or token factors (g [B, T, Ko], a [B, T, Ki])
-        self._parts: dict[int, dict[str, Any]] = {}
-        self._dense: dict[str, torch.Tensor] | None = None
-        self._stored: dict[str, torch.Tensor | LowRank] | None = None
-        self._assembled: dict[str, list[Any]] | None = None
-        self._active = True
-
-    def _add(self, forward_id: int, name: str, grad: Any) -> None:
-        """Add one backward's contribution: dense ``[B, Ko, Ki]`` or token factors ``(g, a)``."""
-        part = self._parts.setdefault(forward_id, {})
-        rows, new_rows = _part_rows(part), _rows(grad)
-        if part and new_rows != rows:
-            other = next(iter(part))
-            embeddings = [n for n in (name, other) if isinstance(self._capture.modules.get(n), nn.Embedding)]
-            raise CaptureError(
-                f"layer {name} saw {new_rows} examples but {other} saw {rows} in the same forward: "
-                "capture needs every captured layer's input batch-first ([B, ..., features]); exclude layers "
-                "that flatten or permute the batch (e.g. MoE experts, seq-first [T, B, H] inputs)"
-                + (f". {embeddings[0]} is an embedding: one looked up once and broadcast over the batch (a "
-                   "learned position embedding, e.g. OLMo's wpe) has no per-example gradient; add it to "
-                   "capture.exclude" if embeddings else ""))
-        old = part.get(name)
-        if old is None:
-            part[name] = grad
-        elif isinstance(old, tuple) and isinstance(grad, tuple):   # the layer ran again: more tokens
-            part[name] = (torch.cat([old[0], grad[0]], dim=1), torch.cat([old[1], grad[1]], dim=1))
-        elif not isinstance(old, tuple) and not isinstance(grad, tuple):
-            old += grad                                              # dense capture: in place, as before
-        else:
-            part[name] = _as_dense(old) + _as_dense(grad)
-
-    @property
-    def num_backward_rows(self) -> int:
-        return sum(_part_rows(p) for p in self._parts.values())
-
-    def dense(self) -> dict[str, torch.Tensor]:
-        """``{name: [len(ids), Ko, Ki]}`` float32: gradients of each example's summed token loss.
-
-        Available once the ``with cap.record(...)`` block has ended (later backward passes in the
-        block would otherwise be missed).
-        """
-        if self._active:
-            raise CaptureError("Recording.dense() was called inside its `with capture.record(...)` block; "
-                               "call it after the block ends")
-        if self._dense is None:
-            self._dense = {name: _cat([_as_dense(p) for p in parts]) for name, parts in self._assemble().items()}
-        return self._dense
-
-    def stored(self) -> dict[str, torch.Tensor | LowRank]:
-        """What the store keeps: :meth:`dense` for dense layers and, for layers captured with
-        ``capture.rank: c``, :class:`~olmo_tda.store.record.LowRank` factors (exact for examples of
-        at most c tokens, else the best rank-c approximation)."""
-        if self._active:
-            raise CaptureError("Recording.stored() was called inside its `with capture.record(...)` block; "
-                               "call it after the block ends")
-        if self._stored is None:
-            ranks = self._capture.layer_ranks
-            self._stored = {name: cat_rows([_factorize(p, ranks[name]) for p in parts]) if ranks[name]
-                            else _cat([_as_dense(p) for p in parts]) for name, parts in self._assemble().items()}
-        return self._stored
-
-    def _assemble(self) -> dict[str, list[Any]]:
-        """Per layer, each forward's part (zeros for a layer that was silent in it), in forward order,
-        with the loop's normalization undone (in place, once)."""
-        if self._assembled is not None:
-            return self._assembled
-        shapes = self._capture.layer_shapes
-        parts = [self._parts[f] for f in sorted(self._parts)]
-        rows = [_part_rows(p) for p in parts]
-        if not parts and not len(self.ids):          # an empty block: zero rows of every layer
-            self._assembled = {name: [torch.zeros(0, k_out, k_in)] for name, (k_out, k_in) in shapes.items()}
-            return self._assembled
-        if sum(rows) != len(self.ids):
-            raise CaptureError(
-                f"record got {len(self.ids)} ids but the backward pass(es) carried {sum(rows)} examples "
-                f"(per forward: {rows}). Pass the ids of every example whose loss was backpropagated, "
-                "in forward order; was a forward run with capture paused or under no_grad?")
-        fired = set().union(*parts) if parts else set()
-        self._capture._warn_silent_layers(set(shapes) - fired)
-        self._assembled = {name: [part[name] if name in part else torch.zeros(n, k_out, k_in, device=_device(part))
-                                  for part, n in zip(parts, rows)]
-                           for name, (k_out, k_in) in shapes.items()}
-        if self.loss_scale != 1.0:
-            # dense parts are our own bmm results: in place. A token factor with an identity output side
-            # is autograd's gradient itself (possibly expanded, or the same tensor for two layers whose
-            # outputs were summed): a new tensor
-            self._assembled = {name: [(p[0] * self.loss_scale, p[1]) if isinstance(p, tuple)
-                                      else p.mul_(self.loss_scale) for p in chunks]
-                               for name, chunks in self._assembled.items()}
-        return self._assembled
-
-    def to_record(self, step: int, lr: float) -> GradientRecord:
-        """The store's unit: a :class:`~olmo_tda.store.record.GradientRecord` of this block."""
-        return GradientRecord(ids=self.ids, step=step, lr=lr, loss_scale=self.loss_scale, grads=self.stored(),
-                              basis=self.basis_version)
-
-
-def _cat(chunks: list[torch.Tensor]) -> torch.Tensor:
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-
-
-def _rows(grad: Any) -> int:
-    return (grad[0] if isinstance(grad, tuple) else grad).shape[0]
-
-
-def _part_rows(part: dict[str, Any]) -> int:
-    return _rows(next(iter(part.values()))) if part else 0
-
-
-def _device(part: dict[str, Any]) -> torch.device:
-    first = next(iter(part.values()))
-    return (first[0] if isinstance(first, tuple) else first).device
-
-
-def _as_dense(grad: Any) -> torch.Tensor:
-    """``[B, Ko, Ki]`` of a part: dense already, or ``gᵀ a`` of its token factors."""
-    return torch.bmm(grad[0].transpose(1, 2), grad[1]) if isinstance(grad, tuple) else grad
-
-
-def _factorize(grad: Any, rank: int) -> LowRank:
-    """Rank-c factors of one forward's part: from token factors (exact when T <= c) or by SVD of Ĝ.
-    An example whose part is not finite gets NaN factors (the decompositions refuse non-finite
-    input), so the store skips and counts it as it does a non-finite dense row."""
-    if isinstance(grad, tuple):
-        bad = ~(torch.isfinite(grad[0]).flatten(1).all(1) & torch.isfinite(grad[1]).flatten(1).all(1))
-    else:
-        bad = ~torch.isfinite(grad).flatten(1).all(1)
-    if not bool(bad.any()):
-        return LowRank(*(lowrank_factors(grad[0], grad[1], rank) if isinstance(grad, tuple)
-                         else truncate_dense(grad, rank)))
-    keep = (~bad).view(-1, *([1] * (_first(grad).ndim - 1)))
-    if isinstance(grad, tuple):
-        A, B = lowrank_factors(grad[0].where(keep, 0.0), grad[1].where(keep, 0.0), rank)
-    else:
-        A, B = truncate_dense(grad.where(keep, 0.0), rank)
-    A[bad] = float("nan")
-    return LowRank(A, B)
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):       # torch.func's wrappers have no storage to compare
-        return False
-
-
-def _first(grad: Any) -> torch.Tensor:
-    return grad[0] if isinstance(grad, tuple) else grad
-
-
-def _as_ids(ids: Any) -> np.ndarray:
-    if isinstance(ids, torch.Tensor):
-        ids = ids.detach().cpu().numpy()
-    arr = np.asarray(ids if not isinstance(ids, range) else np.arange(ids.start, ids.stop, ids.step))
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise CaptureError(f"example ids must be integers (global data indices), got dtype {arr.dtype}")
-    return arr.astype(np.int64).reshape(-1)
-
-
-def select_linears(model: nn.Module, config: CaptureConfig) -> dict[str, nn.Linear | nn.Embedding]:
-    """The layers ``config`` selects (``modules`` minus ``exclude``), by canonical name: every
-    ``nn.Linear``, and every ``nn.Embedding`` with ``config.embeddings``. What :class:`GradientCapture`
-    hooks and :mod:`.eigenbasis` estimates covariances for (Linear only: eigen refuses embeddings)."""
-    kinds = (nn.Linear, nn.Embedding) if config.embeddings else (nn.Linear,)
-    what = "nn.Linear or nn.Embedding" if config.embeddings else "nn.Linear"
-    layers: dict[str, nn.Module] = {}
-    raw_names: dict[str, str] = {}
-    for raw, module in model.named_modules():
-        if not isinstance(module, kinds):
-            continue
-        name = canonical_name(raw)
-        if name in layers and layers[name] is not module:
-            raise CaptureError(f"layers {raw_names[name]!r} and {raw!r} have the same canonical name "
-                               f"{name!r} once wrapper segments are removed; projector seeds derive from "
-                               "names, so rename one of the modules")
-        layers[name], raw_names[name] = module, raw
-    chosen = {n: m for n, m in layers.items() if _matches(n, config.modules) and not _matches(n, config.exclude)}
-    if not chosen:
-        raise CaptureError(
-            f"capture.modules={config.modules} exclude={config.exclude} selects no {what}; "
-            f"the model's {what} layers are: {sorted(layers)[:20]}{' ...' if len(layers) > 20 else ''}")
-    for name, m in chosen.items():
-        if isinstance(m, nn.Embedding) and m.scale_grad_by_freq:
-            raise CaptureError(f"embedding {name} has scale_grad_by_freq=True: its gradient is scaled by token "
-                               "counts of the whole batch, so an example's gradient depends on the others; "
-                               "exclude it from capture")
-    return chosen
-
-
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _tied_heads(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module, float]]:
-    """``[(canonical table name, final norm, model, logit scale)]`` for every OLMo
-    (``olmo.model.OLMo``: ``config.weight_tying``, ``transformer.wte`` and ``transformer.ln_f``) in
-    ``model`` whose logits are ``F.linear(ln_f(x), wte.weight)``."""
-    found = []
-    for raw, m in model.named_modules():
-        cfg, tr = getattr(m, "config", None), getattr(m, "transformer", None)
-        if type(m).__name__ != "OLMo" or not getattr(cfg, "weight_tying", False) or tr is None:
-            continue
-        wte, ln_f = getattr(tr, "wte", None), getattr(tr, "ln_f", None)
-        if isinstance(wte, nn.Embedding) and ln_f is not None:
-            scale = 1 / math.sqrt(cfg.d_model) if getattr(cfg, "scale_logits", False) else 1.0
-            found.append((canonical_name(f"{raw}.transformer.wte" if raw else "transformer.wte"), ln_f, m, scale))
-    return found
-
-
-def layer_dims(module: nn.Module) -> tuple[int, int]:
-    """``(n_out, n_in)`` of a captured layer's gradient, bias column not counted: a Linear's
-    ``(out_features, in_features)``; an embedding's ``(embedding_dim, num_embeddings)`` (the
-    transposed table, as a Linear on one-hot inputs)."""
-    if isinstance(module, nn.Embedding):
-        return module.embedding_dim, module.num_embeddings
-    return module.out_features, module.in_features
-
-
-class GradientCapture:
+class GradientCapture(LayerHooks, TiedHeadHooks):
     """Owns the hooks on a model's selected ``nn.Linear`` layers (and ``nn.Embedding`` layers with
     ``capture.embeddings``) and turns backward passes into per-example projected gradients.
 
@@ -344,32 +81,38 @@ class GradientCapture:
         run (``capture.basis_every``): :meth:`use_basis` moves to a new version."""
         if self.config.basis_every and enabled:
             self._version_projectors()
-        tied = _tied_heads(model) if enabled else []
-        wanted = [t for t in tied if _matches(t[0], self.config.modules) and not _matches(t[0], self.config.exclude)]
-        if enabled and wanted and not self.config.embeddings:
-            log.warning("the model's output head is tied to its token table (%s): capture does not see it (it is "
-                        "F.linear on the table, not an nn.Linear). Set capture.embeddings: true to capture the "
-                        "table with the head's share of its gradient (selection.embeddings for selection rounds)",
-                        wanted[0][0])
-        self._tied = [t for t in tied if t[0] in self.modules]
+        self._tied = self._captured_tied_heads() if enabled else []
         """``[(table name, final-norm module, model module, logit scale)]`` of OLMo output heads tied to a
         captured token table: their share of the table's gradient is added to the table's rows."""
         self._tied_acts: dict[str, Any] = {}
         self._scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._moments: dict[str, LayerMoments] | None = None
         self._moment_rows: int | None = None     # only the first rows of a batch count (the rest: padding)
-        unused = [o for o in self.config.overrides
-                  if enabled and not any(self.config.override_for(n) is o for n in self.modules)]
-        shadowed = [o.modules for o in unused
-                    if any(fnmatch.fnmatchcase(n, p) for n in self.modules for p in o.modules)]
+        if enabled:
+            self._warn_unused_overrides()
+            self._attach()
+
+    def _captured_tied_heads(self) -> list[tuple[str, nn.Module, nn.Module, float]]:
+        """The model's tied output heads whose token table is captured (:func:`.tied_head.tied_heads`);
+        a selected table left out by ``capture.embeddings: false`` is warned about."""
+        tied = tied_heads(self.model)
+        wanted = [t for t in tied if matches(t[0], self.config.modules) and not matches(t[0], self.config.exclude)]
+        if wanted and not self.config.embeddings:
+            log.warning("the model's output head is tied to its token table (%s): capture does not see it (it is "
+                        "F.linear on the table, not an nn.Linear). Set capture.embeddings: true to capture the "
+                        "table with the head's share of its gradient (selection.embeddings for selection rounds)",
+                        wanted[0][0])
+        return [t for t in tied if t[0] in self.modules]
+
+    def _warn_unused_overrides(self) -> None:
+        unused = [o for o in self.config.overrides if not any(self.config.override_for(n) is o for n in self.modules)]
+        shadowed = [o.modules for o in unused if any(matches(n, o.modules) for n in self.modules)]
         if shadowed:
             log.warning("capture.overrides %s match only layers an earlier override already sets (the first match "
                         "wins): they change nothing", shadowed)
         if len(unused) > len(shadowed):
             log.warning("capture.overrides %s match no captured layer (captured: %s ...)",
                         [o.modules for o in unused if o.modules not in shadowed], list(self.modules)[:4])
-        if enabled:
-            self._attach()
 
     # -- selection and hooks -------------------------------------------------------------------
 
@@ -431,156 +174,6 @@ class GradientCapture:
         except BaseException:
             self.remove()
             raise
-
-    def _on_model_forward(self, module: nn.Module, args: Any) -> None:
-        self._forward_id += 1
-        if torch.is_grad_enabled() and not _in_backward() and not self._paused:
-            self._pending_forwards += 1
-
-    def _on_forward(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> None:
-        if self._paused or not torch.is_grad_enabled() or not output.requires_grad:
-            return
-        acts = (args[0] if args else kwargs["input"]).detach()
-        proj = self.projectors[name].to(acts.device)
-        scale = self._scales.get(name) if self._scales is not None else None
-        moment_in = None
-        if isinstance(module, nn.Embedding):
-            if acts.ndim < 1:
-                raise CaptureError(f"embedding {name} got a scalar input; capture needs a leading batch dimension "
-                                   "([B, ...] token ids)")
-            ids = acts.reshape(acts.shape[0], -1)
-            acts_BTKi = proj.project_ids(ids, module.padding_idx)
-            if self._moments is not None:
-                moment_in = self._moments[name].measure_ids(self._counted(ids), module.padding_idx)
-            if scale is not None:
-                acts_BTKi = acts_BTKi * scale[1].to(acts_BTKi.device)[ids].unsqueeze(-1)
-        else:
-            if acts.ndim < 2:
-                raise CaptureError(f"layer {name} got an unbatched input of shape {tuple(acts.shape)}; capture "
-                                   "needs a leading batch dimension ([B, ..., features])")
-            with _fp32(acts.device.type):
-                a = acts.reshape(acts.shape[0], -1, acts.shape[-1]).float()
-                if self._moments is not None:
-                    moment_in = self._moments[name].measure_in(self._counted(a))
-                if scale is None:
-                    acts_BTKi = proj.project_in(a, self._with_bias[name])
-                else:
-                    acts_BTKi = proj.project_in(_scaled_in(a, scale[1].to(a.device), self._with_bias[name]), False)
-        # An identity input side keeps the input itself until backward: a later in-place change to it
-        # (which autograd allows when the weight needs no gradient) would change the capture
-        alias = (acts, acts._version) if proj.in_identity and _same_memory(acts_BTKi, acts) else None
-        # A forward inside a backward is an activation-checkpoint recompute; its hooks fire only for
-        # re-entrant checkpointing, where they belong to the forward being backpropagated.
-        output.register_hook(partial(self._on_grad, name, self._forward_id, _in_backward(), acts_BTKi,
-                                     None if scale is None else scale[0], moment_in, alias))
-
-    def _on_grad(self, name: str, forward_id: int, recomputed: bool, acts_BTKi: torch.Tensor,
-                 s_out: torch.Tensor | None, moment_in: Any, alias: tuple[torch.Tensor, int] | None,
-                 grad: torch.Tensor) -> None:
-        rec = self._recording(name, recomputed)
-        if rec is None:
-            return
-        if alias is not None and alias[0]._version != alias[1]:
-            raise CaptureError(f"the input of layer {name} was modified in place after its forward: its "
-                               "projection is the identity (proj_dim >= the layer's width), so capture reads "
-                               "the input at backward time. Make the in-place op out of place, or project")
-        if moment_in is not None and self._moments is not None:
-            moment_in()
-        proj = self.projectors[name]
-        with _fp32(grad.device.type):
-            g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
-            if self._moments is not None:
-                self._moments[name].add_out(self._counted(g), rec.loss_scale)
-            if s_out is not None:           # the scaling in effect at this layer's forward
-                g = g * s_out.to(g.device)
-            grads_BTKo = proj.project_out(g)
-            self._add(rec, name, forward_id, grads_BTKo, acts_BTKi, owned=alias is None)
-
-    def _recording(self, name: str, recomputed: bool) -> Recording | None:
-        """The active record for a gradient arriving now (None: outside any record, warned once)."""
-        if not self._backward_callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._backward_callback_queued = True
-        rec = self._active
-        if rec is None:
-            if not self._warned_unrecorded:
-                log.warning("a backward pass reached captured layers outside `with capture.record(...)`; "
-                            "its gradients are ignored")
-                self._warned_unrecorded = True
-            return None
-        if recomputed and self._pending_forwards > 1:
-            raise CaptureError(
-                f"re-entrant activation checkpointing recomputed layer {name} during a backward that covers "
-                f"{self._pending_forwards} forwards: its examples cannot be told apart. Use "
-                "checkpoint(..., use_reentrant=False) (OLMo's default), or one backward per forward (a "
-                "grad-enabled forward that is never backpropagated counts too: run it under torch.no_grad())")
-        return rec
-
-    def _add(self, rec: Recording, name: str, forward_id: int, grads_BTKo: torch.Tensor,
-             acts_BTKi: torch.Tensor, *, owned: bool = True) -> None:
-        """Add ``Σ_t g_t ⊗ a_t`` of one forward: as token factors (LoRIF route) or one bmm.
-        ``owned=False``: ``acts_BTKi`` is the layer's input itself (an identity input side), which
-        the caller may overwrite once the backward is done (a reused input buffer): token factors,
-        kept until the record ends, keep a copy."""
-        proj = self.projectors[name]
-        rank = self.layer_ranks[name]
-        if rank and self._keep_tokens(grads_BTKo.shape[1], proj.k_out, proj.k_in, rank):
-            rec._add(forward_id, name, (grads_BTKo, acts_BTKi if owned else acts_BTKi.clone()))
-        else:
-            rec._add(forward_id, name, torch.bmm(grads_BTKo.transpose(1, 2), acts_BTKi))
-
-    # A tied output head: logits = F.linear(x, W) with W [V, d] the token table, whose captured rows
-    # are the transposed table (d out, V in). The head's share of that gradient, transposed, is
-    # Σ_t x_t ⊗ ∂L/∂logits_t: the table's projectors apply with the roles swapped (P_out on x, P_in on
-    # the logits' gradient), and it adds to the lookup's share like a second call of the layer.
-
-    def _on_head_input(self, name: str, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if self._paused or not torch.is_grad_enabled() or not output.requires_grad or _in_backward():
-            return
-        proj = self.projectors[name].to(output.device)
-        with _fp32(output.device.type):
-            x = output.detach().reshape(output.shape[0], -1, output.shape[-1]).float()
-            moment_in = None if self._moments is None else self._moments[name].measure_head_in(self._counted(x))
-            scale = self._scales.get(name) if self._scales is not None else None
-            if scale is not None:
-                x = x * scale[0].to(x.device)
-            self._tied_acts[name] = (self._forward_id, proj.project_out(x), None if scale is None else scale[1],
-                                     moment_in)
-
-    def _on_head_output(self, name: str, scale: float, module: nn.Module, args: tuple, output: Any) -> None:
-        pending = self._tied_acts.pop(name, None)
-        logits = getattr(output, "logits", None)
-        if pending is None or pending[0] != self._forward_id or logits is None or not logits.requires_grad:
-            return
-        logits.register_hook(partial(self._on_head_grad, name, pending[0], scale, *pending[1:]))
-
-    def _on_head_grad(self, name: str, forward_id: int, scale: float, x_BTKo: torch.Tensor,
-                      s_in: torch.Tensor | None, moment_in: Any, grad: torch.Tensor) -> None:
-        rec = self._recording(name, False)
-        if rec is None:
-            return
-        if moment_in is not None and self._moments is not None:
-            moment_in()
-        proj = self.projectors[name]
-        with _fp32(grad.device.type):
-            g = grad.detach().reshape(grad.shape[0], -1, grad.shape[-1]).float()
-            if scale != 1.0:            # the gradient w.r.t. the logits before OLMo's in-place scale_logits
-                g = g * scale
-            if self._moments is not None:
-                self._moments[name].add_head_out(self._counted(g), rec.loss_scale)
-            if s_in is not None:
-                g = g * s_in.to(g.device)
-            self._add(rec, name, forward_id, x_BTKo, proj.project_in(g, False))
-
-    def _keep_tokens(self, tokens: int, k_out: int, k_in: int, rank: int) -> bool:
-        route = self.config.factor_route
-        if route is FactorRoute.AUTO:
-            return factor_route(tokens, k_out, k_in, rank) == "tokens"
-        return tokens <= rank or route is FactorRoute.QR
-
-    def _on_backward_end(self) -> None:
-        self._pending_forwards = 0
-        self._backward_callback_queued = False
 
     def _warn_silent_layers(self, names: set[str]) -> None:
         new = sorted(names - self._warned_silent)
@@ -651,10 +244,6 @@ class GradientCapture:
             yield
         finally:
             self._moment_rows = previous
-
-    def _counted(self, x: torch.Tensor) -> torch.Tensor:
-        """The rows of a batch that count in the moments."""
-        return x if self._moment_rows is None else x[:self._moment_rows]
 
     @contextlib.contextmanager
     def scaled(self, scales: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
@@ -756,87 +345,6 @@ class GradientCapture:
         }
 
 
-class LayerMoments:
-    """Per-feature sums of squares of one layer's inputs (``in_sq [I(+1)]``, bias column last; a
-    token table: per-id counts) and output gradients (``out_sq [O]``), over ``tokens`` positions.
-    Filled by :meth:`GradientCapture.moments`: the input side is measured at the forward and added
-    when that forward's gradient arrives (``measure_*`` return the addition), so a forward that is
-    never backpropagated, or recomputed by non-reentrant activation checkpointing, counts once or
-    not at all, like the output side."""
-
-    def __init__(self, n_out: int, n_in: int, *, bias: bool = False):
-        self.out_sq = torch.zeros(n_out, dtype=torch.float64)
-        self.in_sq = torch.zeros(n_in + bias, dtype=torch.float64)
-        self.tokens = 0
-        self.bias = bias
-
-    def measure_in(self, a_BTI: torch.Tensor) -> Callable[[], None]:
-        sq = a_BTI.square().sum(dim=(0, 1)).double()
-        return partial(self._add_in, sq, a_BTI.shape[0] * a_BTI.shape[1], self.bias)
-
-    def measure_ids(self, ids_BT: torch.Tensor, padding_idx: int | None) -> Callable[[], None]:
-        flat = ids_BT.reshape(-1)
-        if padding_idx is not None:
-            flat = flat[flat != padding_idx]
-        return partial(self._add_in, torch.bincount(flat, minlength=self.in_sq.numel()).double(),
-                       ids_BT.numel(), False)
-
-    def _add_in(self, sq: torch.Tensor, tokens: int, bias: bool) -> None:
-        self.in_sq[:sq.numel()] += sq.cpu()
-        if bias:
-            self.in_sq[-1] += tokens
-        self.tokens += tokens
-
-    def add_out(self, g_BTO: torch.Tensor, loss_scale: float) -> None:
-        self.out_sq += g_BTO.square().sum(dim=(0, 1)).double().cpu() * loss_scale ** 2
-
-    # a tied output head: the table's rows are [d out, V in]; the head sees x (d) and ∂L/∂logits (V)
-    def measure_head_in(self, x_BTD: torch.Tensor) -> Callable[[], None]:
-        return partial(self._add_head_in, x_BTD.square().sum(dim=(0, 1)).double(), x_BTD.shape[0] * x_BTD.shape[1])
-
-    def _add_head_in(self, sq: torch.Tensor, tokens: int) -> None:
-        self.out_sq += sq.cpu()
-        self.tokens += tokens
-
-    def add_head_out(self, g_BTV: torch.Tensor, loss_scale: float) -> None:
-        self.in_sq += g_BTV.square().sum(dim=(0, 1)).double().cpu() * loss_scale ** 2
-
-    def second_moment(self, damping: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(R [O], C [I])`` with ``E[g_ij²] ≈ R_i·C_j`` for ``g`` the gradient of one token's loss:
-        ``R = out_sq / tokens``, ``C = in_sq / tokens``, each floored at ``damping`` times its mean
-        (a feature never seen would otherwise get an unbounded preconditioner)."""
-        n = max(self.tokens, 1)
-        r, c = self.out_sq / n, self.in_sq / n
-        return r.clamp_min(damping * float(r.mean())), c.clamp_min(damping * float(c.mean()))
-
-
-def reduce_moments(moments: dict[str, LayerMoments], device: torch.device | str = "cpu") -> None:
-    """Sum every layer's moments over the ranks of the default process group, in one all-reduce
-    (``device``: where the collective runs — the rank's GPU under NCCL). No-op without one."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not moments:
-        return
-    parts = [t for m in moments.values() for t in (m.out_sq, m.in_sq, torch.tensor([float(m.tokens)]).double())]
-    buf = torch.cat(parts).to(device)
-    dist.all_reduce(buf)
-    buf = buf.cpu()
-    at = 0
-    for m in moments.values():
-        n_out, n_in = m.out_sq.numel(), m.in_sq.numel()
-        m.out_sq, m.in_sq = buf[at:at + n_out].clone(), buf[at + n_out:at + n_out + n_in].clone()
-        m.tokens = int(round(float(buf[at + n_out + n_in])))
-        at += n_out + n_in + 1
-
-
-def _scaled_in(a_BTI: torch.Tensor, s_in: torch.Tensor, bias: bool) -> torch.Tensor:
-    """Inputs times ``s_in``; with a bias, the bias column (``s_in[-1]`` times ones) appended, to be
-    projected as a plain input of width I+1."""
-    if not bias:
-        return a_BTI * s_in
-    col = s_in[-1].expand(*a_BTI.shape[:-1], 1)
-    return torch.cat([a_BTI * s_in[:-1], col], dim=-1)
-
-
 class _Pause(contextlib.AbstractContextManager):
     """Returned by :meth:`GradientCapture.pause`: already paused; leaving a ``with`` block restores."""
 
@@ -889,15 +397,3 @@ def _needs_grad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.T
     if not torch.is_grad_enabled() or output.requires_grad:
         return None
     return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
-
-
-def _fp32(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off for capture's own math — entered only when autocast is on (entering and leaving
-    the context costs ~20 us, twice per layer per step)."""
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
-        else contextlib.nullcontext()
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
