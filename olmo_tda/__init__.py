@@ -13,12 +13,13 @@ __version__ = "0.2.0"
 
 from .capture import CaptureError, GradientCapture, Recording
 from .config import CaptureConfig, ConfigError, StoreConfig, TDAConfig
+from .errors import TDAError
 from .methods import AttributionResult, attribute
 from .methods.queries import Query
 from .store import GradientRecord, GradientStore
 
 __all__ = ["__version__", "GradientCapture", "Recording", "CaptureError", "CaptureConfig", "StoreConfig",
-           "TDAConfig", "ConfigError", "GradientStore", "GradientRecord", "attribute", "AttributionResult",
+           "TDAConfig", "TDAError", "ConfigError", "GradientStore", "GradientRecord", "attribute", "AttributionResult",
            "Query", "OLMoRun", "DeepSpeedRun", "open_run"]
 
 _RUNS = ("OLMoRun", "DeepSpeedRun", "open_run")

@@ -11,6 +11,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from .config import ConfigError
+from .errors import TDAError
+
 __all__ = ["main"]
 
 
@@ -58,14 +61,14 @@ def _read_queries(args: argparse.Namespace) -> list:
 
     texts, answers = list(args.query or []), list(args.answer or [])
     if answers and len(answers) != len(texts):
-        raise ValueError(f"--answer pairs with --query in order: got {len(texts)} --query and {len(answers)} "
-                         "--answer")
+        raise ConfigError(f"--answer pairs with --query in order: got {len(texts)} --query and {len(answers)} "
+                          "--answer")
     queries = [Query(t, a) for t, a in zip(texts, answers)] if answers else [Query(t) for t in texts]
     if args.query_file:
         queries += read_queries(args.query_file)
     if not queries:
-        raise ValueError("give --query TEXT (repeatable, with --answer TEXT for prompt → answer queries) or "
-                         "--query-file F.jsonl")
+        raise ConfigError("give --query TEXT (repeatable, with --answer TEXT for prompt → answer queries) or "
+                          "--query-file F.jsonl")
     return queries
 
 
@@ -75,9 +78,9 @@ def _read_ids(spec: str) -> list[int]:
     try:
         ids = [int(tok) for tok in text.replace(",", " ").split()]
     except ValueError as e:
-        raise ValueError(f"--ids: expected integers (training instance indices), {e}") from None
+        raise ConfigError(f"--ids: expected integers (training instance indices), {e}") from None
     if not ids or min(ids) < 0:
-        raise ValueError("--ids: give at least one non-negative training instance index")
+        raise ConfigError("--ids: give at least one non-negative training instance index")
     return ids
 
 
@@ -89,25 +92,25 @@ def _cmd_attribute(args: argparse.Namespace) -> int:
         run_dir = run_dir / "run"                        # the demo's output folder
     ids = _read_ids(args.ids) if args.ids else None
     if ids is not None and args.method != "tracin":
-        raise ValueError("--ids chooses the training examples TracIn-CP recomputes; use it with --method tracin")
+        raise ConfigError("--ids chooses the training examples TracIn-CP recomputes; use it with --method tracin")
     options = {k: v for k, v in (("hessian", args.hessian), ("damping", args.damping), ("rank", args.rank),
                                  ("damping_ratio", args.damping_ratio)) if v is not None}
     if options and args.method != "influence":
-        raise ValueError(f"--hessian/--damping/--damping-ratio/--rank apply to --method influence, not {args.method}")
+        raise ConfigError(f"--hessian/--damping/--damping-ratio/--rank apply to --method influence, not {args.method}")
     if args.damping is not None and args.damping_ratio is not None:
-        raise ValueError("--damping (one λ for every layer) and --damping-ratio (λ relative to each layer's "
-                         "Fisher) exclude each other: give one")
+        raise ConfigError("--damping (one λ for every layer) and --damping-ratio (λ relative to each layer's "
+                          "Fisher) exclude each other: give one")
     if args.rank is not None and args.hessian not in (None, "lorif", "joint"):
-        raise ValueError(f"--rank is the rank of --hessian lorif or joint (the default), not of {args.hessian}")
+        raise ConfigError(f"--rank is the rank of --hessian lorif or joint (the default), not of {args.hessian}")
     for flag, key, value, default in (("--route", "route", args.route, "auto"),
                                       ("--query-rank", "query_rank", args.query_rank, 0)):
         if value != default:
             if args.method not in ("graddot", "gradcos", "influence"):
-                raise ValueError(f"{flag} applies to graddot, gradcos and influence, not {args.method}")
+                raise ConfigError(f"{flag} applies to graddot, gradcos and influence, not {args.method}")
             options[key] = value
     for flag, out in (("--json", args.json), ("--html", args.html)):
         if out and not Path(out).resolve().parent.is_dir():       # before the work, not after it
-            raise ValueError(f"{flag} {out}: no such folder {Path(out).resolve().parent}")
+            raise ConfigError(f"{flag} {out}: no such folder {Path(out).resolve().parent}")
     queries = _read_queries(args)
     run = open_run(run_dir, skip_damaged=args.skip_damaged)
     answers = run.attribute(queries, method=args.method, top_k=args.top_k, group_by=args.group_by,
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     except (Exception, KeyboardInterrupt) as e:
         # a failed train still in a group of several ranks (train leaves it so): see end_failed_rank
         several = args.command == "train" and integrations.one_of_several_ranks()
-        ours = isinstance(e, (ValueError, OSError, RuntimeError))    # our errors name the problem: no traceback
+        ours = isinstance(e, (TDAError, ValueError, OSError, RuntimeError))  # ours name the problem: no traceback
         if not several and (args.verbose or not ours):
             raise
         if args.verbose or not ours:

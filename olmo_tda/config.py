@@ -28,6 +28,8 @@ from typing import Any, Union
 
 import yaml
 
+from .errors import TDAError
+
 __all__ = [
     "ConfigError",
     "ProjectionType",
@@ -51,8 +53,9 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration value is unknown, mistyped or out of range; the message names the key path."""
+class ConfigError(TDAError, ValueError):
+    """A configuration value, argument, flag or input file the user gave is unknown, mistyped, out of
+    range or malformed; the message names it (key path, flag, file:line) and the fix."""
 
 
 class ProjectionType(str, enum.Enum):

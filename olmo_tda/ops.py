@@ -43,6 +43,7 @@ import time
 import torch
 
 from .capture.factors import dot_dense_factor, dot_dense_tiles, dot_factor_factor, truncate_dense
+from .config import ConfigError
 from .store.record import LowRank
 
 __all__ = ["ROUTES", "TIE_BAND", "flat", "sq_norms", "inner_route", "auto_route", "inner", "measured_routes",
@@ -188,9 +189,9 @@ def inner(x: Rep, y: Rep, route: str = "auto") -> torch.Tensor:
     faster route (``"auto"``: the cost model, timed at near-ties), the cost model alone (``"model"``)
     or the route forced (``"factorized"``, ``"materialized"``)."""
     if route not in ROUTES:
-        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        raise ConfigError(f"route must be one of {ROUTES}, got {route!r}")
     if tuple(x.shape[1:]) != tuple(y.shape[1:]):
-        raise ValueError(f"inner: gradient shapes differ: {tuple(x.shape[1:])} vs {tuple(y.shape[1:])}")
+        raise ConfigError(f"inner: gradient shapes differ: {tuple(x.shape[1:])} vs {tuple(y.shape[1:])}")
     dtype = torch.promote_types(_dtype(x), _dtype(y))       # every route computes in the same dtype
     x, y = _to(x, dtype), _to(y, dtype)
     if route == "auto":
@@ -222,6 +223,6 @@ def lowrank_queries(queries: dict[str, torch.Tensor], rank: int) -> dict[str, "t
     is). An approximation of the query side, traded for speed against factor stores (factors·factors
     costs Q·N·r·c·(Ko+Ki) instead of Q·N·Ko·Ki); layers where rank-r factors are not smaller stay dense."""
     if rank < 0:
-        raise ValueError(f"query_rank must be >= 0, got {rank}")
+        raise ConfigError(f"query_rank must be >= 0, got {rank}")
     return {n: LowRank(*truncate_dense(q, rank)) if rank and rank * (q.shape[1] + q.shape[2]) < q.shape[1] * q.shape[2]
             else q for n, q in queries.items()}

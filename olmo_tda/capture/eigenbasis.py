@@ -651,7 +651,7 @@ def estimate_eigenbasis(model: nn.Module, batches: Iterable[Any], loss_fn: Calla
     """
     k = config.max_dims if k is None else k
     if (k if isinstance(k, int) else min(k)) < 1:
-        raise ValueError(f"k must be >= 1 per side (capture.proj_dim is {config.proj_dim!r}; 0 means exact)")
+        raise ConfigError(f"k must be >= 1 per side (capture.proj_dim is {config.proj_dim!r}; 0 means exact)")
     covs = estimate_covariances(model, batches, loss_fn, config, distributed=distributed)
     world = distributed and dist.get_world_size() > 1
     # every rank takes rank 0's split (eigh may differ in the last bit across ranks), so the matrices

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import ConfigError
+
 __all__ = ["lowrank_factors", "truncate_dense", "factor_route", "dot_dense_dense", "dot_dense_factor",
            "materialize", "dot_dense_tiles", "dot_factor_factor", "dot_ghost", "route", "cross_gram"]
 
@@ -65,7 +67,7 @@ def factor_route(tokens: int, k_out: int, k_in: int, rank: int) -> str:
 def lowrank_factors(grads_BTKo: torch.Tensor, acts_BTKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A [B, Ko, c], B [B, Ki, c])`` with ``A Bᵀ`` the best rank-``c`` approximation of ``gᵀ a``."""
     if rank < 1:
-        raise ValueError(f"rank must be >= 1, got {rank}")
+        raise ConfigError(f"rank must be >= 1, got {rank}")
     g, a = grads_BTKo, acts_BTKi
     num, tokens, k_out = g.shape
     k_in = a.shape[-1]
@@ -115,7 +117,7 @@ def truncate_dense(grads_BKoKi: torch.Tensor, rank: int) -> tuple[torch.Tensor, 
     truncation. The same factors as an SVD's (up to signs), 1.1–2.9× faster on CPU at k ≤ 64
     (LAPACK's batched SVD is the slow part of a capture with ``rank``)."""
     if rank < 1:
-        raise ValueError(f"rank must be >= 1, got {rank}")
+        raise ConfigError(f"rank must be >= 1, got {rank}")
     _, k_out, k_in = grads_BKoKi.shape
     left = k_out <= k_in
     m = grads_BKoKi.double() if left else grads_BKoKi.double().transpose(1, 2)      # [B, p, r], p ≤ r
@@ -210,5 +212,5 @@ def cross_gram(g1: torch.Tensor, a1: torch.Tensor, g2: torch.Tensor, a2: torch.T
     if choice == "factorized":
         return dot_ghost(g1, a1, g2, a2)
     if choice != "materialized":
-        raise ValueError(f"route must be 'factorized' or 'materialized', got {choice!r}")
+        raise ConfigError(f"route must be 'factorized' or 'materialized', got {choice!r}")
     return dot_dense_dense(g1.transpose(1, 2) @ a1, g2.transpose(1, 2) @ a2)

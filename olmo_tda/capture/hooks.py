@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import CaptureConfig, to_plain
+from ..config import CaptureConfig, ConfigError, to_plain
 from .hot_path import LayerHooks
 from .hot_path import _in_backward as _in_backward    # integrations/deepspeed.py imports it from here
 from .layers import CaptureError, canonical_name, layer_dims, matches, select_linears
@@ -372,8 +372,8 @@ def activation_grads_only(model: torch.nn.Module, *, embedding_grads: bool = Tru
     modules = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     embeddings = {p for m in modules for p in m.parameters()}
     if not embedding_grads and not modules:
-        raise ValueError("activation_grads_only(embedding_grads=False): the model has no nn.Embedding whose output "
-                         "could carry the backward through the network with every weight frozen")
+        raise ConfigError("activation_grads_only(embedding_grads=False): the model has no nn.Embedding whose output "
+                          "could carry the backward through the network with every weight frozen")
     handles = []
     try:
         if embeddings:

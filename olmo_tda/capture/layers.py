@@ -22,6 +22,7 @@ from typing import Sequence
 from torch import nn
 
 from ..config import CaptureConfig
+from ..errors import TDAError
 
 __all__ = ["CaptureError", "canonical_name", "select_linears", "layer_dims"]
 
@@ -36,7 +37,7 @@ def canonical_name(name: str) -> str:
     return _WRAPPER_SEGMENTS.sub("", name).lstrip(".")
 
 
-class CaptureError(RuntimeError):
+class CaptureError(TDAError, RuntimeError):
     """Capture was used in a way that cannot give correct gradients; the message says how to fix it."""
 
 

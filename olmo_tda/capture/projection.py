@@ -243,7 +243,7 @@ def make_projector(name: str, n_out: int, n_in: int, k: tuple[int, int], kind: P
         return IdentityProjector(name, n_out, n_in)
     kind = kind.value if isinstance(kind, ProjectionType) else str(kind)
     if kind not in _REGISTRY:
-        raise ValueError(f"unknown projector kind {kind!r}; registered: {sorted(_REGISTRY)}")
+        raise ConfigError(f"unknown projector kind {kind!r}; registered: {sorted(_REGISTRY)}")
     factory, uses_basis = _REGISTRY[kind]
     if uses_basis:
         return factory(name, n_out, n_in, k, seed, basis=basis)

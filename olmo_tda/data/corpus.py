@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..config import ConfigError
+
 __all__ = ["Corpus", "DOCS_SUFFIX", "write_document_index"]
 
 log = logging.getLogger(__name__)
@@ -76,9 +78,9 @@ class Corpus:
                  labels: Sequence[str] | None = None, dtype: Any = np.uint16,
                  decode: Callable[[list[int]], str] | None = None):
         if not paths:
-            raise ValueError("a corpus needs at least one memmap file")
+            raise ConfigError("a corpus needs at least one memmap file")
         if labels is not None and len(labels) != len(paths):
-            raise ValueError(f"{len(labels)} labels for {len(paths)} memmap files")
+            raise ConfigError(f"{len(labels)} labels for {len(paths)} memmap files")
         self.seq_len, self.eos, self.dtype, self.decode = int(seq_len), int(eos_token_id), np.dtype(dtype), decode
         names = list(labels) if labels is not None else [Path(str(p)).stem for p in paths]
         self.sources: list[str] = list(dict.fromkeys(names))
@@ -133,12 +135,12 @@ class Corpus:
                 with np.load(index, allow_pickle=False) as saved:
                     starts, names = saved["starts"].astype(np.int64), saved["names"]
             except (OSError, ValueError, KeyError) as e:
-                raise ValueError(f"{index}: not a readable document index ({e}); run `olmo-tda prepare` again "
-                                 "or delete it (documents are then split at end-of-text tokens)") from None
+                raise ConfigError(f"{index}: not a readable document index ({e}); run `olmo-tda prepare` again "
+                                  "or delete it (documents are then split at end-of-text tokens)") from None
             if (len(starts) != len(names) or not len(starts) or starts[0] != 0 or (np.diff(starts) <= 0).any()
                     or starts[-1] >= max(tokens, 1)):
-                raise ValueError(f"{index} does not describe {path} ({tokens} tokens): its document starts are "
-                                 "not increasing from 0 inside the file; run `olmo-tda prepare` again")
+                raise ConfigError(f"{index} does not describe {path} ({tokens} tokens): its document starts are "
+                                  "not increasing from 0 inside the file; run `olmo-tda prepare` again")
             return starts, names
         data = np.memmap(path, dtype=self.dtype, mode="r", shape=(tokens,)) if tokens else np.zeros(0, self.dtype)
         ends = [np.flatnonzero(data[lo:lo + (1 << 24)] == self.eos) + lo for lo in range(0, tokens, 1 << 24)]
@@ -150,7 +152,7 @@ class Corpus:
     def _file_of(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_instances):
-            raise ValueError(f"instance ids must lie in [0, {self.num_instances}); got {ids.min()}..{ids.max()}")
+            raise ConfigError(f"instance ids must lie in [0, {self.num_instances}); got {ids.min()}..{ids.max()}")
         return np.searchsorted(self._instance_starts, ids, side="right") - 1
 
     def source_of(self, ids: np.ndarray) -> np.ndarray:
@@ -190,7 +192,7 @@ class Corpus:
         """The file and local index of document ``doc``'s first copy."""
         doc_starts, _, first_span = self._documents_index()
         if not 0 <= doc < len(first_span):
-            raise ValueError(f"document {doc} is not in [0, {len(first_span)})")
+            raise ConfigError(f"document {doc} is not in [0, {len(first_span)})")
         span = int(first_span[doc])
         f = self.files[int(np.searchsorted(doc_starts, span, side="right") - 1)]
         return f, span - f.first_doc
@@ -210,7 +212,7 @@ class Corpus:
 
     def document_text(self, doc: int) -> str:
         if self.decode is None:
-            raise ValueError("this corpus has no tokenizer to decode documents with (decode=...)")
+            raise ConfigError("this corpus has no tokenizer to decode documents with (decode=...)")
         return self.decode([int(t) for t in self.document_tokens(doc) if int(t) != self.eos])
 
     def source_instances(self) -> np.ndarray:

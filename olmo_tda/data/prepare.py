@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..config import ConfigError
 from .corpus import write_document_index
 
 __all__ = ["prepare", "read_documents", "TEXT_SUFFIXES", "JSONL_SUFFIXES"]
@@ -37,13 +38,13 @@ def read_documents(path: str | Path) -> Iterator[tuple[str | None, str]]:
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES:
-        raise ValueError(f"{path}: unknown kind of file {suffix!r}; give text ({', '.join(TEXT_SUFFIXES)}: "
-                         f"documents separated by blank lines) or JSONL ({', '.join(JSONL_SUFFIXES)}: a \"text\" "
-                         "field per line)")
+        raise ConfigError(f"{path}: unknown kind of file {suffix!r}; give text ({', '.join(TEXT_SUFFIXES)}: "
+                          f"documents separated by blank lines) or JSONL ({', '.join(JSONL_SUFFIXES)}: a \"text\" "
+                          "field per line)")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
     if suffix in TEXT_SUFFIXES:
         for block in re.split(r"\n[ \t]*\n", text):
             if block.strip():
@@ -55,9 +56,9 @@ def read_documents(path: str | Path) -> Iterator[tuple[str | None, str]]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e}); expected an object with a \"text\" field") from None
+            raise ConfigError(f"{path}:{n}: not JSON ({e}); expected an object with a \"text\" field") from None
         if not isinstance(item, dict) or not isinstance(item.get("text"), str):
-            raise ValueError(f"{path}:{n}: expected an object with a string \"text\" field")
+            raise ConfigError(f"{path}:{n}: expected an object with a string \"text\" field")
         name = item.get("id")
         yield (None if name is None else str(name)), item["text"]
 
@@ -70,9 +71,9 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, encode: Callab
     stems = [Path(p).stem for p in inputs]
     twice = sorted({s for s in stems if stems.count(s) > 1})
     if twice:
-        raise ValueError(f"inputs {twice} share a file name: each input becomes one source named by its stem")
+        raise ConfigError(f"inputs {twice} share a file name: each input becomes one source named by its stem")
     if not inputs:
-        raise ValueError("give at least one text or JSONL file")
+        raise ConfigError("give at least one text or JSONL file")
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -81,13 +82,13 @@ def prepare(inputs: Sequence[str | Path], out_dir: str | Path, *, encode: Callab
         for j, (name, text) in enumerate(read_documents(path)):
             ids = list(encode(text)) + [eos_token_id]
             if max(ids) >= vocab_size or min(ids) < 0:
-                raise ValueError(f"{path}: document {j} encodes to ids outside [0, {vocab_size})")
+                raise ConfigError(f"{path}: document {j} encodes to ids outside [0, {vocab_size})")
             pieces.append(np.asarray(ids, dtype=dtype))
             starts.append(at)
             names.append(name if name is not None else f"{stem}:{j}")
             at += len(ids)
         if not pieces:
-            raise ValueError(f"{path}: no documents in it")
+            raise ConfigError(f"{path}: no documents in it")
         target = out / f"{stem}.npy"
         tmp = target.with_name(target.name + ".tmp")
         np.concatenate(pieces).tofile(tmp)

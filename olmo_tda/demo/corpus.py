@@ -15,6 +15,8 @@ import warnings
 
 import numpy as np
 
+from ..config import ConfigError
+
 __all__ = ["ByteTokenizer", "build_passages", "corpus_fingerprint"]
 
 _DOC_MODULES = ["collections", "functools", "itertools", "json", "pathlib", "re", "string", "textwrap",
@@ -79,7 +81,7 @@ def build_passages(num_passages: int, seq_len: int, seed: int = 0) -> list[str]:
     data = " ".join(sentences).encode("ascii", errors="ignore")
     starts = np.arange(0, len(data) - seq_len, seq_len)
     if len(starts) < num_passages:
-        raise ValueError(f"the shipped corpus has {len(starts)} passages of {seq_len} bytes; asked for {num_passages}")
+        raise ConfigError(f"the shipped corpus has {len(starts)} passages of {seq_len} bytes; asked for {num_passages}")
     chosen = np.random.default_rng(seed).choice(starts, size=num_passages, replace=False)
     return [data[s:s + seq_len].decode("ascii") for s in chosen]
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import ConfigError
 from .corpus import ByteTokenizer
 
 __all__ = ["write_memmap", "BYTE_TOKENIZER_ID"]
@@ -24,7 +25,7 @@ def write_memmap(passages: list[str], path: str | Path, seq_len: int) -> Path:
     tok = ByteTokenizer()
     tokens = np.array([tok.encode(p) for p in passages], dtype=np.uint16)
     if tokens.ndim != 2 or tokens.shape[1] != seq_len:
-        raise ValueError(f"every passage must be exactly {seq_len} tokens")
+        raise ConfigError(f"every passage must be exactly {seq_len} tokens")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     mm = np.memmap(path, dtype=np.uint16, mode="w+", shape=tokens.size)

@@ -18,8 +18,8 @@ Example: a store of 3 training rows, scored against one query (in practice both 
 from . import graddot as _graddot  # noqa: F401  (registers graddot, gradcos)
 from . import influence as _influence  # noqa: F401  (registers influence)
 from . import optimizer as _optimizer  # noqa: F401  (registers adam-graddot, adam-gradcos)
-from .base import (AttributionMethod, AttributionResult, BasisQueries, ProjectedQueries, attribute, available_methods,
-                   get_method, register_method)
+from .base import (AttributionError, AttributionMethod, AttributionResult, BasisQueries, ProjectedQueries, attribute,
+                   available_methods, get_method, register_method)
 
 __all__ = ["attribute", "AttributionResult", "AttributionMethod", "BasisQueries", "ProjectedQueries",
-           "register_method", "get_method", "available_methods"]
+           "register_method", "get_method", "available_methods", "AttributionError"]

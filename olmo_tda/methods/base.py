@@ -23,12 +23,19 @@ from typing import Any, Iterable, Protocol
 import numpy as np
 import torch
 
+from ..config import ConfigError
+from ..errors import TDAError
 from .grouping import ByExample, GroupBy, GroupScores, Grouping
 
 __all__ = ["AttributionMethod", "AttributionResult", "BasisQueries", "ProjectedQueries", "register_method",
-           "get_method", "available_methods", "attribute"]
+           "get_method", "available_methods", "attribute", "AttributionError"]
 
 log = logging.getLogger(__name__)
+
+
+class AttributionError(TDAError, ValueError):
+    """The queries do not fit the store (layers, shapes, projectors, eigenbasis versions), or there is
+    nothing finite to score; the message names both sides and the fix."""
 
 
 class AttributionMethod(Protocol):
@@ -58,7 +65,7 @@ def available_methods() -> list[str]:
 
 def get_method(name: str, **options: Any) -> AttributionMethod:
     if name not in _METHODS:
-        raise ValueError(f"unknown attribution method {name!r}; available: {', '.join(available_methods())}")
+        raise ConfigError(f"unknown attribution method {name!r}; available: {', '.join(available_methods())}")
     return _METHODS[name](**options)
 
 
@@ -100,14 +107,14 @@ class BasisQueries(dict):
         """The queries projected with ``digest``; refuses a missing version and one filed under
         another version's digest, naming both."""
         if digest not in self:
-            raise ValueError(f"no queries projected with eigenbasis version {str(digest)[:16]} (given: "
-                             f"{', '.join(str(d)[:16] for d in self) or 'none'}); project them with "
-                             "store.load_basis(digest)")
+            raise AttributionError(f"no queries projected with eigenbasis version {str(digest)[:16]} (given: "
+                                   f"{', '.join(str(d)[:16] for d in self) or 'none'}); project them with "
+                                   "store.load_basis(digest)")
         own = getattr(self[digest], "basis_version", None)
         if own is not None and own != digest:
-            raise ValueError(f"the queries filed under eigenbasis version {str(digest)[:16]} were projected with "
-                             f"version {own[:16]}: scores between two bases are noise; project them with that "
-                             "version (store.load_basis(digest))")
+            raise AttributionError(f"the queries filed under eigenbasis version {str(digest)[:16]} were projected with "
+                                   f"version {own[:16]}: scores between two bases are noise; project them with that "
+                                   "version (store.load_basis(digest))")
         return self[digest]
 
 
@@ -129,12 +136,12 @@ def _per_basis(store: Any, queries: Any) -> dict[str | None, Any]:
             return {None: queries}
         if versions == [own]:
             return {own: queries}
-        raise ValueError(f"the store's rows were projected with {len(versions)} eigenbasis versions "
-                         f"({', '.join(d[:12] for d in versions)}); a query must be projected with each: pass "
-                         "BasisQueries({digest: recording}) (query_gradients(..., store=store) makes it)")
+        raise AttributionError(f"the store's rows were projected with {len(versions)} eigenbasis versions "
+                               f"({', '.join(d[:12] for d in versions)}); a query must be projected with each: pass "
+                               "BasisQueries({digest: recording}) (query_gradients(..., store=store) makes it)")
     if not versions:
-        raise ValueError("BasisQueries were given but the store has one projection (no eigenbasis versions): "
-                         "pass the queries' Recording itself")
+        raise AttributionError("BasisQueries were given but the store has one projection (no eigenbasis versions): "
+                               "pass the queries' Recording itself")
     return {d: queries.version(d) for d in versions}
 
 
@@ -164,7 +171,7 @@ def _as_queries(queries: Any) -> dict[str, torch.Tensor]:
         raise TypeError(f"queries must be a Recording or a {{layer: Tensor[Q, Ko, Ki]}} dict; got {odd}")
     sizes = {q.shape[0] for q in queries.values()}
     if len(sizes) != 1:
-        raise ValueError(f"query gradients disagree on the number of queries: {sorted(sizes)}")
+        raise AttributionError(f"query gradients disagree on the number of queries: {sorted(sizes)}")
     return {name: q.detach().to("cpu", torch.float32) for name, q in queries.items()}
 
 
@@ -176,9 +183,9 @@ def _check_queries(queries: dict[str, torch.Tensor], layers: list[str]) -> None:
     if bad:
         rows = sorted({r for v in bad.values() for r in v})
         where = "; ".join(f"{n}: queries {v[:10]}" for n, v in list(bad.items())[:5])
-        raise ValueError(f"query gradients of queries {rows[:20]} hold NaN or inf ({where}"
-                         f"{'; ...' if len(bad) > 5 else ''}): check those queries' losses (an empty or fully "
-                         f"masked text, an fp16 overflow) and recompute them")
+        raise AttributionError(f"query gradients of queries {rows[:20]} hold NaN or inf ({where}"
+                               f"{'; ...' if len(bad) > 5 else ''}): check those queries' losses (an empty or fully "
+                               f"masked text, an fp16 overflow) and recompute them")
     sq = sum(queries[n].flatten(1).double().square().sum(1) for n in layers)
     zero = torch.nonzero(sq == 0).flatten().tolist()
     if zero:
@@ -257,11 +264,11 @@ def _grouping(group_by: "str | Grouping") -> "Grouping | None":
     try:
         kind = GroupBy(group_by)
     except ValueError:
-        raise ValueError(f"group_by must be one of {[g.value for g in GroupBy]} or a Grouping, "
-                         f"got {group_by!r}") from None
+        raise ConfigError(f"group_by must be one of {[g.value for g in GroupBy]} or a Grouping, "
+                          f"got {group_by!r}") from None
     if kind in (GroupBy.DOCUMENT, GroupBy.SOURCE):
-        raise ValueError(f"group_by={group_by!r} needs the training data: pass ByDocument(corpus) or "
-                         "BySource(corpus) (olmo_tda.methods.grouping; a run's OLMoRun builds them)")
+        raise ConfigError(f"group_by={group_by!r} needs the training data: pass ByDocument(corpus) or "
+                          "BySource(corpus) (olmo_tda.methods.grouping; a run's OLMoRun builds them)")
     return ByExample() if kind is GroupBy.EXAMPLE else None
 
 
@@ -293,7 +300,7 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
             memory O(Q·G) for G groups.
     """
     if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+        raise ConfigError(f"top_k must be >= 1, got {top_k}")
     grouping = _grouping(group_by)
     if isinstance(store, (str, Path)):
         from ..store import GradientStore
@@ -303,33 +310,34 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
     projector_hash = getattr(queries, "projector_hash", projector_hash)
     stored_hash = getattr(store, "meta", {}).get("projector_hash")
     if projector_hash is not None and stored_hash is not None and projector_hash != stored_hash:
-        raise ValueError(f"the queries were projected with projectors {projector_hash}, the store with "
-                         f"{stored_hash}: "
-                         + projector_difference(getattr(queries, "projector_specs", projector_specs),
-                                                getattr(store, "meta", {}))
-                         + f" — see `olmo-tda inspect {getattr(store, 'path', '')}`")
+        raise AttributionError(f"the queries were projected with projectors {projector_hash}, the store with "
+                               f"{stored_hash}: "
+                               + projector_difference(getattr(queries, "projector_specs", projector_specs),
+                                                      getattr(store, "meta", {}))
+                               + f" — see `olmo-tda inspect {getattr(store, 'path', '')}`")
     by_basis = {d: _as_queries(q) for d, q in by_basis.items()}
     queries = next(iter(by_basis.values()))
     if len({tuple(sorted(q)) for q in by_basis.values()}) > 1 or len({q[n].shape[0] for q in by_basis.values()
                                                                      for n in q}) > 1:
-        raise ValueError("the queries of the eigenbasis versions differ in layers or number of queries: project "
-                         "the same queries with every version")
+        raise AttributionError("the queries of the eigenbasis versions differ in layers or number of queries: project "
+                               "the same queries with every version")
     if layers is None and set(queries) != set(store.layers):
         log.warning("queries cover %d layers and the store %d: scoring the %d they share (pass layers= to "
                     "choose explicitly)", len(queries), len(store.layers), len(set(queries) & set(store.layers)))
     chosen = list(layers) if layers is not None else [n for n in store.layers if n in queries]
     missing = [n for n in chosen if n not in queries or n not in store.layers]
     if missing or not chosen:
-        raise ValueError(f"layers {missing or chosen} are not in both the store ({len(store.layers)} layers) "
-                         f"and the queries ({sorted(queries)[:5]}...)")
+        raise AttributionError(f"layers {missing or chosen} are not in both the store ({len(store.layers)} layers) "
+                               f"and the queries ({sorted(queries)[:5]}...)")
     shapes = getattr(store, "layer_shapes", None)
     states = {}
     for digest, version_queries in by_basis.items():
         for name in chosen:
             want = tuple(shapes[name]) if shapes else None
             if want is not None and tuple(version_queries[name].shape[1:]) != want:
-                raise ValueError(f"query gradient of {name} has shape {tuple(version_queries[name].shape[1:])}, "
-                                 f"the store holds {want}: were the queries captured with the store's capture config?")
+                raise AttributionError(f"query gradient of {name} has shape {tuple(version_queries[name].shape[1:])}, "
+                                       f"the store holds {want}: were the queries captured with the store's capture "
+                                       "config?")
         _check_queries(version_queries, chosen)
         # one method per version: a curvature fitted on one version's rows is not another's
         algo = (get_method(method, **method_options) if isinstance(method, str)

@@ -31,6 +31,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ..ops import flat
+from .base import AttributionError
 
 __all__ = ["CURVATURES", "Curvature", "CurvatureOptions", "EkfacFisher", "JointFisher", "LowRankFisher",
            "LowRankJointFisher", "RawFisher", "ekfac_apply", "ekfac_fisher", "fisher_stats", "joint_fisher",
@@ -77,7 +78,7 @@ def fisher_stats(store: Any, layers: Sequence[str], *, block_size: int | None = 
             else:
                 fisher[name] = g.T @ g
     if num == 0:
-        raise ValueError(_NO_ROWS)
+        raise AttributionError(_NO_ROWS)
     return {n: f.div_(num) for n, f in fisher.items()}, {n: t / num for n, t in trace.items()}, num
 
 
@@ -116,7 +117,7 @@ def lowrank_fisher(store: Any, layers: Sequence[str], rank: int, *, oversample: 
                 if first:
                     trace[key] += float((g * g).sum())
         if num == 0:
-            raise ValueError(_NO_ROWS)
+            raise AttributionError(_NO_ROWS)
         return {n: v / num for n, v in out.items()}, num
 
     for i in range(iterations):
@@ -159,7 +160,7 @@ def ekfac_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = 
             out_f[name] += by_out @ by_out.T
             in_f[name] += by_in.T @ by_in
     if num == 0:
-        raise ValueError(_NO_ROWS)
+        raise AttributionError(_NO_ROWS)
     # contiguous, so a fit read back from the cache multiplies in the same layout (the same bits)
     bases = {n: (torch.linalg.eigh(out_f[n] / num)[1].contiguous(), torch.linalg.eigh(in_f[n] / num)[1].contiguous())
              for n in layers}
@@ -188,7 +189,7 @@ def joint_fisher(store: Any, layers: Sequence[str], *, block_size: int | None = 
         g = _joint_rows(block, layers)
         fisher = g.T @ g if fisher is None else fisher.addmm_(g.T, g)
     if num == 0:
-        raise ValueError(_NO_ROWS)
+        raise AttributionError(_NO_ROWS)
     fisher.div_(num)
     return fisher, float(torch.trace(fisher)), num
 
@@ -333,8 +334,8 @@ class _Joint(_Curvature):
     def precondition(self, queries: dict[str, torch.Tensor], fitted: dict[str, Any]) -> dict[str, torch.Tensor]:
         layers = fitted["layers"]
         if set(queries) != set(layers):
-            raise ValueError(f"influence: hessian={self.name!r} was fitted on layers {layers}; the queries have "
-                             f"{sorted(queries)}")
+            raise AttributionError(f"influence: hessian={self.name!r} was fitted on layers {layers}; the queries have "
+                                   f"{sorted(queries)}")
         flats = [_flat(queries[name]) for name in layers]
         rows = torch.cat(flats, dim=1)
         pre = self.apply(rows, rows.shape, fitted["factors"][_JOINT], fitted["damping"][layers[0]])

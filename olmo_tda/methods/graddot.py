@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import ConfigError
 from ..ops import ROUTES, inner, lowrank_queries, sq_norms
 from .base import register_method
 
@@ -25,9 +26,9 @@ class GradDot:
 
     def __init__(self, route: str = "auto", query_rank: int = 0):
         if route not in ROUTES:
-            raise ValueError(f"{self.name}: route must be one of {ROUTES}, got {route!r}")
+            raise ConfigError(f"{self.name}: route must be one of {ROUTES}, got {route!r}")
         if query_rank < 0:
-            raise ValueError(f"{self.name}: query_rank must be >= 0 (0 = exact queries), got {query_rank}")
+            raise ConfigError(f"{self.name}: query_rank must be >= 0 (0 = exact queries), got {query_rank}")
         self.route, self.query_rank = route, query_rank
         self.info: dict = {"route": route, "query_rank": query_rank}
 

@@ -54,8 +54,9 @@ from typing import Any, Sequence
 
 import torch
 
+from ..config import ConfigError
 from ..ops import ROUTES, inner, lowrank_queries
-from .base import register_method
+from .base import AttributionError, register_method
 from .curvature import CURVATURES, DEFAULT_RANK, Curvature, CurvatureOptions, layer_dims
 from .curvature import JOINT_DAMPING_RATIO as JOINT_DAMPING_RATIO  # re-exported: joint's default lives there
 from .curvature import ekfac_apply, ekfac_fisher, fisher_stats, joint_fisher, lowrank_fisher, woodbury_apply
@@ -103,27 +104,27 @@ class Influence:
                  rank: int | None = None, oversample: int = 8, iterations: int = 3, seed: int = 0,
                  route: str = "auto", query_rank: int = 0):
         if hessian not in CURVATURES:
-            raise ValueError(f"influence: hessian must be {_either(HESSIANS)}, got {hessian!r}")
+            raise ConfigError(f"influence: hessian must be {_either(HESSIANS)}, got {hessian!r}")
         kind = CURVATURES[hessian]
         if damping is not None and not 0 < damping < float("inf"):
-            raise ValueError(f"influence: damping must be finite and > 0, got {damping!r}")
+            raise ConfigError(f"influence: damping must be finite and > 0, got {damping!r}")
         if damping_ratio is None:
             damping_ratio = kind.damping_ratio
         if not 0 < damping_ratio < float("inf"):
-            raise ValueError(f"influence: damping_ratio must be finite and > 0, got {damping_ratio!r}")
+            raise ConfigError(f"influence: damping_ratio must be finite and > 0, got {damping_ratio!r}")
         if rank is not None and not kind.takes_rank:
             ranked = [n for n, c in CURVATURES.items() if c.takes_rank]
-            raise ValueError(f"influence: rank is the rank of hessian={_either(ranked)}, not of hessian={hessian!r}")
+            raise ConfigError(f"influence: rank is the rank of hessian={_either(ranked)}, not of hessian={hessian!r}")
         if rank is not None and rank < 1:
-            raise ValueError(f"influence: rank must be >= 1, got {rank}")
+            raise ConfigError(f"influence: rank must be >= 1, got {rank}")
         if oversample < 0:
-            raise ValueError(f"influence: oversample must be >= 0 (extra subspace columns), got {oversample}")
+            raise ConfigError(f"influence: oversample must be >= 0 (extra subspace columns), got {oversample}")
         if iterations < 1:
-            raise ValueError(f"influence: iterations must be >= 1 (passes of subspace iteration), got {iterations}")
+            raise ConfigError(f"influence: iterations must be >= 1 (passes of subspace iteration), got {iterations}")
         if route not in ROUTES:
-            raise ValueError(f"influence: route must be one of {ROUTES}, got {route!r}")
+            raise ConfigError(f"influence: route must be one of {ROUTES}, got {route!r}")
         if query_rank < 0:
-            raise ValueError(f"influence: query_rank must be >= 0 (0 = exact queries), got {query_rank}")
+            raise ConfigError(f"influence: query_rank must be >= 0 (0 = exact queries), got {query_rank}")
         self._curvature: Curvature = kind.build(CurvatureOptions(rank=rank, oversample=oversample,
                                                                  iterations=iterations, seed=seed))
         rank = DEFAULT_RANK if rank is None else rank
@@ -253,8 +254,8 @@ class Influence:
         # it is left out (warned), not allowed to refuse the question (its relative λ would be 0)
         dead = [g for g in groups if not trace[g] > 0]
         if len(dead) == len(groups):
-            raise ValueError(f"influence: every scored layer has zero gradients in the store ({len(layers)} "
-                             "layers): there is nothing to attribute with")
+            raise AttributionError(f"influence: every scored layer has zero gradients in the store ({len(layers)} "
+                                   "layers): there is nothing to attribute with")
         if dead:
             log.warning("influence: %d layer(s) have zero gradients in every stored row and add nothing to any "
                         "score; they are left out: %s", len(dead), dead)

@@ -51,6 +51,8 @@ from torch import nn
 
 from ..capture.hooks import canonical_name
 from ..capture.projection import matrices_digest
+from ..config import ConfigError
+from ..errors import TDAError
 from ..store.record import LowRank
 from .base import register_method
 from .graddot import GradCos, GradDot
@@ -65,7 +67,7 @@ FITS = ("log", "adafactor")
 SIDES = ("both", "train")
 
 
-class AdamCorrectionError(ValueError):
+class AdamCorrectionError(TDAError, ValueError):
     """The optimizer state does not fit the captured layers; the message names the layer and the fix."""
 
 
@@ -386,9 +388,9 @@ class AdamCorrected:
             raise TypeError(f"{inner.name}: correction must be an AdamCorrection (AdamCorrection.from_optimizer / "
                             f"from_checkpoint), got {type(correction).__name__}")
         if sides not in SIDES:
-            raise ValueError(f"adam-{inner.name}: sides must be one of {SIDES}, got {sides!r}")
+            raise ConfigError(f"adam-{inner.name}: sides must be one of {SIDES}, got {sides!r}")
         if hasattr(inner, "fit"):
-            raise ValueError(f"adam-{inner.name}: methods that fit on the store's rows are not supported")
+            raise ConfigError(f"adam-{inner.name}: methods that fit on the store's rows are not supported")
         self.inner, self.correction, self.sides = inner, correction, sides
         self.name = f"adam-{inner.name}"
         self.info = {**getattr(inner, "info", {}), "sides": sides, **correction.info}

@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..config import ConfigError
+
 __all__ = ["Query", "read_queries", "query_gradients"]
 
 log = logging.getLogger(__name__)
@@ -55,15 +57,15 @@ class Query:
                             "scored", _short(self.prompt), len(ids), max_len)
             ids = ids[:max_len]
             if len(ids) < 2:
-                raise ValueError(f"query {self.prompt!r} is too short: it needs at least 2 tokens")
+                raise ConfigError(f"query {self.prompt!r} is too short: it needs at least 2 tokens")
             return ids, 1
         context = list(encode(self.context)) if self.context else []
         prompt, answer = [*context, eos_token_id, *encode(self.prompt)], encode(self.completion)
         if not answer:
-            raise ValueError(f"query {self.prompt!r}: the answer is empty (give the tokens to score)")
+            raise ConfigError(f"query {self.prompt!r}: the answer is empty (give the tokens to score)")
         if len(answer) >= max_len:
-            raise ValueError(f"query {self.prompt!r}: the answer is {len(answer)} tokens; the model reads at "
-                             f"most {max_len} (max_sequence_length), prompt included")
+            raise ConfigError(f"query {self.prompt!r}: the answer is {len(answer)} tokens; the model reads at "
+                              f"most {max_len} (max_sequence_length), prompt included")
         if len(prompt) + len(answer) > max_len:
             log.warning("query %s: context, prompt and answer are %d tokens; the answer is kept with the last "
                         "%d before it", _short(self.prompt), len(prompt) + len(answer), max_len - len(answer))
@@ -77,7 +79,7 @@ def read_queries(path: str | Path) -> list[Query]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"--query-file {path}: not UTF-8 text ({e})") from None
+        raise ConfigError(f"--query-file {path}: not UTF-8 text ({e})") from None
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -85,8 +87,8 @@ def read_queries(path: str | Path) -> list[Query]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e}); expected a string, {{\"text\": ...}} or "
-                             "{\"prompt\": ..., \"completion\": ...} per line") from None
+            raise ConfigError(f"{path}:{n}: not JSON ({e}); expected a string, {{\"text\": ...}} or "
+                              "{\"prompt\": ..., \"completion\": ...} per line") from None
         out.append(_query(item, f"{path}:{n}"))
     return out
 
@@ -98,14 +100,14 @@ def _query(item: Any, where: str) -> Query:
         completion = item.get("completion", item.get("answer"))
         if "prompt" in item or completion is not None:
             if not isinstance(item.get("prompt"), str) or not isinstance(completion, str):
-                raise ValueError(f"{where}: \"prompt\" and \"completion\" must both be strings")
+                raise ConfigError(f"{where}: \"prompt\" and \"completion\" must both be strings")
             if not isinstance(item.get("context", ""), str):
-                raise ValueError(f"{where}: \"context\" must be a string")
+                raise ConfigError(f"{where}: \"context\" must be a string")
             return Query(item["prompt"], completion, item.get("context") or None)
         text = item.get("text", item.get("query"))
         if isinstance(text, str):
             return Query(text)
-    raise ValueError(f"{where}: expected a string, {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}")
+    raise ConfigError(f"{where}: expected a string, {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}")
 
 
 def query_gradients(model: torch.nn.Module, capture: Any, items: Sequence[tuple[Sequence[int], int]], *,
@@ -138,7 +140,7 @@ def query_gradients(model: torch.nn.Module, capture: Any, items: Sequence[tuple[
     with activation_grads_only(model):
         for ids, first in items:
             if not 1 <= first < len(ids):
-                raise ValueError(f"first scored position {first} must lie in [1, {len(ids)})")
+                raise ConfigError(f"first scored position {first} must lie in [1, {len(ids)})")
             tokens = torch.tensor([list(ids)], dtype=torch.long)
             with capture.record([0]) as rec:
                 out = forward(model, tokens)

@@ -37,8 +37,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..config import ConfigError
 from ..ops import inner
-from .base import AttributionResult, BasisQueries, _top_unique
+from .base import AttributionError, AttributionResult, BasisQueries, _top_unique
 
 __all__ = ["tracin_cp", "tracin_inrun", "top_examples", "nearest_checkpoint"]
 
@@ -65,7 +66,7 @@ def nearest_checkpoint(steps: np.ndarray, checkpoint_steps: Sequence[int]) -> np
     (ties go to the earlier checkpoint)."""
     ck = np.asarray(sorted(checkpoint_steps), dtype=np.int64)
     if not len(ck):
-        raise ValueError("in-run TracIn needs at least one trajectory checkpoint")
+        raise AttributionError("in-run TracIn needs at least one trajectory checkpoint")
     at = np.asarray(steps, dtype=np.int64) - 1                    # the weights the gradient was taken at
     right = np.clip(np.searchsorted(ck, at, side="left"), 0, len(ck) - 1)
     left = np.clip(right - 1, 0, len(ck) - 1)
@@ -82,8 +83,8 @@ def _check_finite(values: torch.Tensor, what: str) -> None:
     """Refuse NaN/inf ``values`` (``what``: whose, for the message): ranked, they give a silent wrong answer."""
     if not bool(torch.isfinite(values).all()):
         bad = int((~torch.isfinite(values)).sum())
-        raise ValueError(f"tracin: {what}: {bad} of {values.numel()} values are NaN/inf (weights or gradients "
-                         f"overflowed or are damaged); refusing to rank them")
+        raise AttributionError(f"tracin: {what}: {bad} of {values.numel()} values are NaN/inf (weights or gradients "
+                               f"overflowed or are damaged); refusing to rank them")
 
 
 def _read_scores(part_file: Path) -> tuple[torch.Tensor, np.ndarray] | None:
@@ -147,8 +148,9 @@ def tracin_inrun(store: Any, query_grads_at: Callable[[int], Grads], checkpoint_
             if isinstance(queries, BasisQueries):       # a basis that follows the run: the block's version
                 queries = queries.version(block.basis)
             elif getattr(block, "basis", None) is not None:
-                raise ValueError(f"the store's rows were projected with eigenbasis versions; query_grads_at must "
-                                 f"return BasisQueries (one projection per version), got {type(queries).__name__}")
+                raise AttributionError(f"the store's rows were projected with eigenbasis versions; query_grads_at "
+                                       f"must return BasisQueries (one projection per version), got "
+                                       f"{type(queries).__name__}")
             part = _flat_dot(queries, {n: block.grads[n][rows] for n in chosen}, chosen)
             if scores is None:
                 scores = torch.zeros(part.shape[0], len(block.ids), dtype=torch.float64)
@@ -167,7 +169,7 @@ def tracin_inrun(store: Any, query_grads_at: Callable[[int], Grads], checkpoint_
         if progress is not None:
             progress(len(ids))
     if acc is None:
-        raise ValueError("the store has no rows to score")
+        raise AttributionError("the store has no rows to score")
     example_ids = np.flatnonzero(seen)
     return acc[:, example_ids], example_ids
 
@@ -221,17 +223,18 @@ def tracin_cp(checkpoints: Sequence[Any], query_grads_at: Callable[[Any], Grads]
         if cached is None and part_file is not None:
             _write_scores(part_file, scores, ids)
         if not np.isfinite(float(ckpt.tracin_lr)):
-            raise ValueError(f"tracin: {_where(ckpt)} has a non-finite learning rate {ckpt.tracin_lr} in its meta.json")
+            raise AttributionError(f"tracin: {_where(ckpt)} has a non-finite learning rate {ckpt.tracin_lr} in its "
+                                   "meta.json")
         if ids_ref is None:
             ids_ref = ids
         elif not np.array_equal(ids, ids_ref):
-            raise ValueError(f"tracin: checkpoint step {ckpt.step} scored other examples than the first one")
+            raise AttributionError(f"tracin: checkpoint step {ckpt.step} scored other examples than the first one")
         contribution = float(ckpt.tracin_lr) * scores
         total = contribution if total is None else total + contribution
         if progress is not None:
             progress(f"checkpoint step {ckpt.step}")
     if total is None:
-        raise ValueError("TracIn-CP needs at least one trajectory checkpoint")
+        raise AttributionError("TracIn-CP needs at least one trajectory checkpoint")
     return total, ids_ref
 
 
@@ -240,7 +243,7 @@ def top_examples(method: str, scores: torch.Tensor, ids: np.ndarray, top_k: int,
     """Top ``top_k`` examples per query as an :class:`AttributionResult` (``step = -1``: all steps);
     ties go to the example earlier in ``ids``, and an id listed twice in ``ids`` is shown once."""
     if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+        raise ConfigError(f"top_k must be >= 1, got {top_k}")
     ids = np.broadcast_to(np.asarray(ids, dtype=np.int64), scores.shape)
     best, best_ids, _ = _top_unique(scores.to(torch.float64), ids, np.zeros_like(ids), top_k)
     return AttributionResult(method=method, layers=layers, scores=best, ids=best_ids,

@@ -10,6 +10,8 @@ import html
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..config import ConfigError
+
 __all__ = ["plot_training", "plot_selection", "read_metrics", "write_attribution_report", "write_run_report"]
 
 
@@ -94,9 +96,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if n == len(lines):
                 break
-            raise ValueError(f"{path}:{n}: corrupt line (not JSON)") from None
+            raise ConfigError(f"{path}:{n}: corrupt line (not JSON)") from None
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise ValueError(f"{path}:{n}: expected a JSON object with an integer 'step'")
+            raise ConfigError(f"{path}:{n}: expected a JSON object with an integer 'step'")
         by_step[row["step"]] = row
     return [by_step[step] for step in sorted(by_step)]
 

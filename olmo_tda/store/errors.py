@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import os
 
+from ..errors import TDAError
+
 __all__ = ["StoreError", "StoreMismatchError", "StoreCorruptError", "StoreWriteError", "describe_os_error"]
 
 
-class StoreError(RuntimeError):
+class StoreError(TDAError, RuntimeError):
     """Base class of every gradient-store failure; the message names the path and a remedy."""
 
 

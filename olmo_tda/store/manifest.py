@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from olmo_tda.config import StoreDType
+from olmo_tda.errors import TDAError
 
 from .errors import StoreCorruptError, StoreError, describe_os_error
 from .format import (
@@ -188,7 +189,7 @@ def read_manifest(root: Path, rank: int) -> RankState | None:
                             f"({_SEGMENT_READ_TRIES} tries); open the store again")
 
 
-class _SegmentGone(Exception):
+class _SegmentGone(TDAError):
     def __init__(self, path: Path):
         super().__init__(str(path))
         self.path = path

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from olmo_tda.config import StoreDType
+from olmo_tda.config import ConfigError, StoreDType
 
 from .errors import StoreCorruptError, StoreError, StoreMismatchError
 from .format import FORMAT_NAME, FORMAT_VERSION, STORE_JSON
@@ -56,7 +56,7 @@ def _plain(value: Any, where: str) -> Any:
     try:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"store meta {where!r} is not JSON-serializable: {e}") from None
+        raise ConfigError(f"store meta {where!r} is not JSON-serializable: {e}") from None
 
 
 def build_store_meta(meta: dict[str, Any], dtype: StoreDType) -> dict[str, Any]:
@@ -68,35 +68,35 @@ def build_store_meta(meta: dict[str, Any], dtype: StoreDType) -> dict[str, Any]:
     ``"projector_hash"`` (str); ``"extra"`` (dict) is optional.
     """
     if not isinstance(meta, dict):
-        raise ValueError(f"store meta must be a dict, got {type(meta).__name__}")
+        raise ConfigError(f"store meta must be a dict, got {type(meta).__name__}")
     missing = [k for k in ("capture", "layers", "projector_hash") if k not in meta]
     if missing:
-        raise ValueError(f"store meta lacks {missing}; the capture engine must supply "
-                         "'capture', 'layers' and 'projector_hash'")
+        raise ConfigError(f"store meta lacks {missing}; the capture engine must supply "
+                          "'capture', 'layers' and 'projector_hash'")
     unknown = sorted(set(meta) - {"capture", "layers", "projector_hash", "extra"})
     if unknown:
-        raise ValueError(f"store meta has unknown keys {unknown}; put free-form data under 'extra'")
+        raise ConfigError(f"store meta has unknown keys {unknown}; put free-form data under 'extra'")
     layers = []
     for i, layer in enumerate(_plain(meta["layers"], "layers")):
         if not isinstance(layer, dict) or "name" not in layer or "shape" not in layer:
-            raise ValueError(f"store meta layers[{i}] must be a dict with 'name' and 'shape', got {layer!r}")
+            raise ConfigError(f"store meta layers[{i}] must be a dict with 'name' and 'shape', got {layer!r}")
         shape = layer["shape"]
         if (not isinstance(shape, list) or len(shape) != 2
                 or not all(isinstance(d, int) and d > 0 for d in shape)):
-            raise ValueError(f"store meta layers[{i}] ({layer['name']!r}): shape must be "
-                             f"[k_out, k_in] positive ints, got {shape!r}")
+            raise ConfigError(f"store meta layers[{i}] ({layer['name']!r}): shape must be "
+                              f"[k_out, k_in] positive ints, got {shape!r}")
         rank = layer.get("rank", 0)
         if not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"store meta layers[{i}] ({layer['name']!r}): rank must be an int >= 0 "
-                             f"(0 = dense), got {rank!r}")
+            raise ConfigError(f"store meta layers[{i}] ({layer['name']!r}): rank must be an int >= 0 "
+                              f"(0 = dense), got {rank!r}")
         layers.append({"name": str(layer["name"]), "shape": shape,
                        "projector": layer.get("projector", {}),
                        **{k: v for k, v in layer.items() if k not in ("name", "shape", "projector")}})
     names = [layer["name"] for layer in layers]
     if len(set(names)) != len(names):
-        raise ValueError(f"store meta layers have duplicate names: {sorted({n for n in names if names.count(n) > 1})}")
+        raise ConfigError(f"store meta layers have duplicate names: {sorted({n for n in names if names.count(n) > 1})}")
     if not layers:
-        raise ValueError("store meta has no layers; capture at least one layer")
+        raise ConfigError("store meta has no layers; capture at least one layer")
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

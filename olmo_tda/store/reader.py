@@ -50,7 +50,7 @@ import h5py
 import numpy as np
 import torch
 
-from olmo_tda.config import StoreConfig, StoreDType
+from olmo_tda.config import ConfigError, StoreConfig, StoreDType
 
 from .errors import StoreCorruptError, StoreError
 from .format import (BASES_DIR, CRC_ATTR, STORE_JSON, ShardInfo, dataset_crc32, decode_grads, disk_dtype, open_h5,
@@ -401,7 +401,7 @@ class GradientStore:
         if block_size is None:
             block_size = self._block_rows(indices)
         if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
         step_set = None if steps is None else np.unique(np.asarray(list(steps), dtype=np.int64))
         id_set = None if ids is None else np.unique(np.asarray(list(ids), dtype=np.int64))
         pending: list[GradientBlock] = []
@@ -449,9 +449,9 @@ class GradientStore:
         A store of several eigenbasis versions needs ``basis`` (rows of two versions are not one block)."""
         blocks = list(self.iter_blocks(layers, block_size=max(1, self.num_rows), steps=steps, ids=ids, basis=basis))
         if len(blocks) > 1:
-            raise ValueError(f"gradient store {self.path} holds rows of {len(self.bases)} eigenbasis versions "
-                             f"({', '.join(d[:12] for d in self.bases)}): read one with read_all(..., basis=digest), "
-                             "or stream them with iter_blocks")
+            raise ConfigError(f"gradient store {self.path} holds rows of {len(self.bases)} eigenbasis versions "
+                              f"({', '.join(d[:12] for d in self.bases)}): read one with read_all(..., basis=digest), "
+                              "or stream them with iter_blocks")
         if blocks:
             return blocks[0]
         empty = {name: self._wrap(name, torch.zeros((0, *stored_shape(self.meta["layers"][i]))))

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..config import ConfigError
+
 __all__ = ["GradientRecord", "LowRank", "cat_rows"]
 
 
@@ -25,8 +27,8 @@ class LowRank:
     def __post_init__(self) -> None:
         if self.A.ndim != 3 or self.B.ndim != 3 or self.A.shape[0] != self.B.shape[0] \
                 or self.A.shape[2] != self.B.shape[2]:
-            raise ValueError(f"LowRank needs A [N, Ko, c] and B [N, Ki, c], got {tuple(self.A.shape)} "
-                             f"and {tuple(self.B.shape)}")
+            raise ConfigError(f"LowRank needs A [N, Ko, c] and B [N, Ki, c], got {tuple(self.A.shape)} "
+                              f"and {tuple(self.B.shape)}")
 
     def __len__(self) -> int:
         return self.A.shape[0]
@@ -108,23 +110,23 @@ class GradientRecord:
         n = len(self.ids)
         scale = np.asarray(self.loss_scale, dtype=np.float64)
         if scale.ndim not in (0, 1) or (scale.ndim == 1 and len(scale) != n):
-            raise ValueError(f"GradientRecord: loss_scale must be a number or one per row ({n}), "
-                             f"got shape {scale.shape}")
+            raise ConfigError(f"GradientRecord: loss_scale must be a number or one per row ({n}), "
+                              f"got shape {scale.shape}")
         if not (np.isfinite(scale).all() and (scale > 0).all()):
-            raise ValueError(f"GradientRecord: loss_scale must be positive and finite, got {self.loss_scale!r}")
+            raise ConfigError(f"GradientRecord: loss_scale must be positive and finite, got {self.loss_scale!r}")
         self.loss_scale = float(scale) if scale.ndim == 0 else scale
         try:
             lr = float(self.lr)
         except (TypeError, ValueError, RuntimeError):   # not one number (RuntimeError: a tensor of many)
             lr = math.nan
         if not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"GradientRecord: lr of step {self.step} must be a finite number >= 0, got "
-                             f"{self.lr!r}; pass the learning rate the optimizer used at that step")
+            raise ConfigError(f"GradientRecord: lr of step {self.step} must be a finite number >= 0, got "
+                              f"{self.lr!r}; pass the learning rate the optimizer used at that step")
         self.lr = lr
         for name, g in self.grads.items():
             if len(g.shape) != 3 or g.shape[0] != n:
-                raise ValueError(f"GradientRecord: grads[{name!r}] has shape {tuple(g.shape)}, "
-                                 f"expected [{n}, k_out, k_in] for {n} ids")
+                raise ConfigError(f"GradientRecord: grads[{name!r}] has shape {tuple(g.shape)}, "
+                                  f"expected [{n}, k_out, k_in] for {n} ids")
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from olmo_tda.config import StoreConfig, StoreDType
+from olmo_tda.config import ConfigError, StoreConfig, StoreDType
 
 from .errors import StoreError, StoreMismatchError, StoreWriteError, describe_os_error
 from .format import (
@@ -137,7 +137,7 @@ class StoreWriter:
         """
         config.validate()
         if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
+            raise ConfigError(f"rank must be >= 0, got {rank}")
         root = Path(path)
         requested = build_store_meta(meta, config.dtype)
         _make_writable_dir(root, rank)
@@ -187,22 +187,22 @@ class StoreWriter:
         names = set(record.grads)
         if names != set(self.layers):
             missing, extra = sorted(set(self.layers) - names), sorted(names - set(self.layers))
-            raise ValueError(f"gradient store {self.path}: record for step {record.step} has layers "
-                             f"missing={missing} extra={extra} relative to the store's layers")
+            raise StoreMismatchError(f"gradient store {self.path}: record for step {record.step} has layers "
+                                     f"missing={missing} extra={extra} relative to the store's layers")
         for name, g in record.grads.items():
             rank = self.layer_ranks[name]
             got = f"rank-{g.rank} factors" if isinstance(g, LowRank) else "a dense tensor"
             if (rank == 0) == isinstance(g, LowRank) or (rank and g.rank != rank):
-                raise ValueError(f"gradient store {self.path}: grads[{name!r}] is {got}, the store holds this "
-                                 f"layer {'as rank-%d factors' % rank if rank else 'dense'}: capture with the "
-                                 "store's capture.rank")
+                raise StoreMismatchError(f"gradient store {self.path}: grads[{name!r}] is {got}, the store holds this "
+                                         f"layer {'as rank-%d factors' % rank if rank else 'dense'}: capture with the "
+                                         "store's capture.rank")
             if tuple(g.shape[1:]) != self.layer_shapes[name] or not g.is_floating_point():
-                raise ValueError(f"gradient store {self.path}: grads[{name!r}] is {tuple(g.shape)} "
-                                 f"{getattr(g, 'dtype', '')}, expected [N, "
-                                 f"{', '.join(map(str, self.layer_shapes[name]))}] float")
+                raise StoreMismatchError(f"gradient store {self.path}: grads[{name!r}] is {tuple(g.shape)} "
+                                         f"{getattr(g, 'dtype', '')}, expected [N, "
+                                         f"{', '.join(map(str, self.layer_shapes[name]))}] float")
         if record.basis is not None and not (isinstance(record.basis, str) and record.basis):
-            raise ValueError(f"gradient store {self.path}: record for step {record.step} has basis "
-                             f"{record.basis!r}; expected an eigenbasis digest (str) or None")
+            raise ConfigError(f"gradient store {self.path}: record for step {record.step} has basis "
+                              f"{record.basis!r}; expected an eigenbasis digest (str) or None")
         item = GradientRecord(ids=np.array(record.ids, dtype=np.int64), step=int(record.step),
                               lr=float(record.lr), loss_scale=record.loss_scale,
                               grads={name: g.detach() for name, g in record.grads.items()}, basis=record.basis)

@@ -44,6 +44,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..config import ConfigError
+
 __all__ = ["SourceMixer", "pull_forward", "quotas"]
 
 
@@ -100,10 +102,10 @@ class SourceMixer:
                  memory: float = 0.9, floor: float = 0.1, decay: float = 0.5, precondition: bool = True,
                  damping: float = 0.01, min_rows: int = 8):
         if len(names) != len(shares) or not names:
-            raise ValueError(f"{len(names)} source names for {len(shares)} shares")
+            raise ConfigError(f"{len(names)} source names for {len(shares)} shares")
         shares = np.asarray(shares, dtype=np.float64)
         if (shares < 0).any() or shares.sum() <= 0:
-            raise ValueError(f"source shares must be >= 0 and not all 0, got {shares.tolist()}")
+            raise ConfigError(f"source shares must be >= 0 and not all 0, got {shares.tolist()}")
         self.names = list(names)
         self.shares = shares / shares.sum()
         self.temperature, self.memory = float(temperature), float(memory)
@@ -133,7 +135,7 @@ class SourceMixer:
             self._pending = self._zeros(rows.shape[1])
         sums, counts, sq, n = self._pending
         if rows.shape[1] != sums.shape[1]:
-            raise ValueError(f"rows of width {rows.shape[1]}; the mixer holds width {sums.shape[1]}")
+            raise ConfigError(f"rows of width {rows.shape[1]}; the mixer holds width {sums.shape[1]}")
         idx = torch.as_tensor(np.asarray(source, dtype=np.int64))
         finite = torch.isfinite(rows).all(dim=1)          # a NaN row would poison its source for good
         idx, rows = idx[finite], rows[finite]
@@ -173,7 +175,7 @@ class SourceMixer:
 
     def set_target(self, target: torch.Tensor) -> None:
         if not bool(torch.isfinite(target).all()):
-            raise ValueError("the target gradient is not finite")
+            raise ConfigError("the target gradient is not finite")
         self.target = target.detach().to("cpu", torch.float64).reshape(-1)
         self.target_round = self.rounds
 
@@ -183,7 +185,7 @@ class SourceMixer:
         if self.sums is None or self.target is None:
             return out
         if self.target.shape[0] != self.sums.shape[1]:
-            raise ValueError(f"target gradient of width {self.target.shape[0]}, captured rows of {self.sums.shape[1]}")
+            raise ConfigError(f"target gradient of width {self.target.shape[0]}, captured rows of {self.sums.shape[1]}")
         seen = self.counts >= self.min_rows
         if int(seen.sum()) < 2:
             return out
@@ -248,8 +250,8 @@ class SourceMixer:
 
     def load_state_dict(self, state: dict) -> None:
         if list(state["names"]) != self.names:
-            raise ValueError(f"the checkpoint's selection sources {list(state['names'])} are not this run's "
-                             f"{self.names}: keep data.paths (and their order) as they were to resume")
+            raise ConfigError(f"the checkpoint's selection sources {list(state['names'])} are not this run's "
+                              f"{self.names}: keep data.paths (and their order) as they were to resume")
         self.rounds, self.target_round = int(state["rounds"]), int(state["target_round"])
         self.evidence = state["evidence"].double().numpy().copy()
         self.counts = state["counts"].double().clone()

@@ -38,13 +38,15 @@ from typing import Callable
 import numpy as np
 import torch
 
+from olmo_tda.config import ConfigError
+from olmo_tda.errors import TDAError
 from olmo_tda.store.format import fsync_dir
 
 __all__ = ["POLICIES", "RoundInputs", "order_window", "greats_order", "rewrite_order", "SelectionLog",
            "SelectionError", "round_stats", "DataOrder"]
 
 
-class SelectionError(RuntimeError):
+class SelectionError(TDAError, RuntimeError):
     """A selection round or its persisted state is inconsistent; the message says what and where."""
 
 
@@ -285,7 +287,7 @@ class SelectionLog:
         ``rule``: ``"window"`` (:func:`rewrite_order` with ``keep``) or ``"pull"`` (``window_ids`` pulled
         forward to ``start`` from anywhere later in the epoch: :func:`~olmo_tda.training.mixture.pull_forward`)."""
         if rule not in ("window", "pull"):
-            raise ValueError(f"unknown round rule {rule!r}")
+            raise ConfigError(f"unknown round rule {rule!r}")
         if not self.writer:
             return
         path = self._order_file(epoch, step)
@@ -296,7 +298,7 @@ class SelectionLog:
             record["rule"] = rule
         if scores is not None:
             if len(scores) != len(window_ids):
-                raise ValueError(f"{len(scores)} scores for a window of {len(window_ids)}")
+                raise ConfigError(f"{len(scores)} scores for a window of {len(window_ids)}")
             scores_path = self._scores_file(epoch, step)
             self._save_npy(scores_path, np.asarray(scores, dtype=np.float64))
             record["scores_file"] = scores_path.name

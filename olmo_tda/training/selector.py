@@ -71,10 +71,10 @@ def target_kind(path: str | Path) -> str:
     for kind, suffixes in (("text", TEXT_SUFFIXES), ("jsonl", JSONL_SUFFIXES), ("tokens", TOKEN_SUFFIXES)):
         if suffix in suffixes:
             return kind
-    raise ValueError(f"selection target {path}: unknown file type {suffix or '(no suffix)'!r}; use "
-                     f"{'/'.join(TEXT_SUFFIXES)} (documents separated by blank lines), "
-                     f"{'/'.join(JSONL_SUFFIXES)} (a JSON object "
-                     f"with a 'text' field per line) or {'/'.join(TOKEN_SUFFIXES)} (token ids)")
+    raise ConfigError(f"selection target {path}: unknown file type {suffix or '(no suffix)'!r}; use "
+                      f"{'/'.join(TEXT_SUFFIXES)} (documents separated by blank lines), "
+                      f"{'/'.join(JSONL_SUFFIXES)} (a JSON object "
+                      f"with a 'text' field per line) or {'/'.join(TOKEN_SUFFIXES)} (token ids)")
 
 
 def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int]], *, num: int,
@@ -99,7 +99,7 @@ def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"selection target {path}: not UTF-8 text ({e})") from None
+            raise ConfigError(f"selection target {path}: not UTF-8 text ({e})") from None
         if kind == "text":      # documents are blank-line separated blocks, their own newlines kept
             lines = [block.strip("\n") for block in re.split(r"\n[ \t]*\n", text)]
         else:
@@ -111,10 +111,10 @@ def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int
                 try:
                     line = json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"selection target {path}:{n}: expected a JSON object with a 'text' "
-                                     "field") from None
+                    raise ConfigError(f"selection target {path}:{n}: expected a JSON object with a 'text' "
+                                      "field") from None
                 if not isinstance(line, str):
-                    raise ValueError(f"selection target {path}:{n}: 'text' is {type(line).__name__}, not a string")
+                    raise ConfigError(f"selection target {path}:{n}: 'text' is {type(line).__name__}, not a string")
             stream += list(encode(line)) + [eos_token_id]
             if len(stream) >= num * seq_len:
                 break
@@ -122,25 +122,25 @@ def load_target(path: str | Path, seq_len: int, encode: Callable[[str], list[int
     elif _has_npy_header(path):         # a real .npy (OLMo's memmaps have no header)
         arr = np.load(path, allow_pickle=False)
         if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"selection target {path}: expected a 2-D array of integer token ids, got "
-                             f"{arr.dtype} of shape {arr.shape}")
+            raise ConfigError(f"selection target {path}: expected a 2-D array of integer token ids, got "
+                              f"{arr.dtype} of shape {arr.shape}")
         if arr.shape[1] < 2:      # no next token to predict: the target's mean token loss is 0/0
-            raise ValueError(f"selection target {path}: rows of {arr.shape[1]} token(s) (shape {arr.shape}); each "
-                             f"needs at least 2 tokens, up to seq_len={seq_len} (longer rows are cut to it)")
+            raise ConfigError(f"selection target {path}: rows of {arr.shape[1]} token(s) (shape {arr.shape}); each "
+                              f"needs at least 2 tokens, up to seq_len={seq_len} (longer rows are cut to it)")
         rows = arr[:, :seq_len]
     else:
         itemsize = np.dtype(memmap_dtype).itemsize
         if path.stat().st_size % itemsize:
-            raise ValueError(f"selection target {path}: {path.stat().st_size} bytes is not a whole number of "
-                             f"{np.dtype(memmap_dtype).name} token ids (is it a token file?)")
+            raise ConfigError(f"selection target {path}: {path.stat().st_size} bytes is not a whole number of "
+                              f"{np.dtype(memmap_dtype).name} token ids (is it a token file?)")
         flat = np.memmap(path, dtype=memmap_dtype, mode="r") if path.stat().st_size else np.zeros(0, memmap_dtype)
         rows = np.asarray(flat[:len(flat) // seq_len * seq_len]).reshape(-1, seq_len)
     if len(rows) == 0:
-        raise ValueError(f"selection target {path}: fewer than {seq_len} tokens, not one full row")
+        raise ConfigError(f"selection target {path}: fewer than {seq_len} tokens, not one full row")
     rows = np.asarray(rows[:num], dtype=np.int64)
     if vocab_size is not None and (rows.min() < 0 or rows.max() >= vocab_size):
-        raise ValueError(f"selection target {path}: token ids span [{rows.min()}, {rows.max()}], outside the model's "
-                         f"vocabulary [0, {vocab_size}) (another tokenizer's ids, or not a token file?)")
+        raise ConfigError(f"selection target {path}: token ids span [{rows.min()}, {rows.max()}], outside the model's "
+                          f"vocabulary [0, {vocab_size}) (another tokenizer's ids, or not a token file?)")
     return torch.from_numpy(rows)
 
 
@@ -274,8 +274,8 @@ class OnlineSelector:
         self._owns_capture = True
         if config.policy is SelectionPolicy.SOURCES:
             if capture is None or target_tokens is None or not sources:
-                raise ValueError("selection policy 'sources' needs the run's capture (its rows), target tokens "
-                                 "and the data's source names")
+                raise ConfigError("selection policy 'sources' needs the run's capture (its rows), target tokens "
+                                  "and the data's source names")
             self.capture, self._owns_capture = capture, False
             shares = source_shares if source_shares is not None else [1.0] * len(sources)
             self.mixer = SourceMixer(sources, shares=shares,
@@ -287,7 +287,7 @@ class OnlineSelector:
         else:
             self._needs = POLICIES[config.policy.value][1]
         if "target" in self._needs and target_tokens is None:
-            raise ValueError(f"selection policy {config.policy.value!r} needs target tokens")
+            raise ConfigError(f"selection policy {config.policy.value!r} needs target tokens")
         self.target_tokens = target_tokens
         if "grads" in self._needs:
             cap = CaptureConfig(proj_dim=config.proj_dim, proj_type=ProjectionType.ORTHOGONAL, seed=config.seed,

@@ -58,6 +58,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..config import StoreDType, TrajectoryConfig, TrajectoryRetention, TrajectorySchedule
+from ..errors import TDAError
 from ..store.errors import describe_os_error
 from ..store.format import torch_dtype
 
@@ -78,7 +79,7 @@ def _file_crc32(path: Path, chunk: int = 1 << 24) -> int:
     return crc
 
 
-class TrajectoryError(RuntimeError):
+class TrajectoryError(TDAError, RuntimeError):
     """A trajectory directory is missing, incomplete or inconsistent; the message names it."""
 
 
