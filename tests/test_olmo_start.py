@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -200,75 +199,44 @@ def test_a_resume_and_a_held_folder_without_save_overwrite(tmp_path):
 def test_a_requeue_without_save_overwrite_continues_the_run_and_nothing_else(tmp_path):
     """A requeued job (try_load_latest_save, save_overwrite: false as configs/olmo_1b.yaml) continues
     the run from its latest checkpoint, removing nothing; resuming an earlier checkpoint (its later
-    ones would be overwritten) or a held folder with no checkpoint still needs save_overwrite."""
+    ones would be overwritten) still needs save_overwrite, and so does a run that ended without any."""
     run = _old_run(tmp_path / "run")
     cfg = _cfg(run, try_load_latest_save=True, save_overwrite=False)
     assert olmo_train._choose_start(cfg, TDAConfig()) is True
     assert cfg.load_path == str(run / "step2") and (run / "step2-unsharded").is_dir() and (run / "step0").is_dir()
     assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
     assert olmo_train._choose_start(_cfg(run, load_path=str(run / "latest"), save_overwrite=False), TDAConfig())
-    with pytest.raises(ConfigError, match="not the latest checkpoint .* step2"):
+    with pytest.raises(ConfigError, match=r"step 0, not the latest checkpoint .* \(step 2\)"):
         olmo_train._choose_start(_cfg(run, load_path=str(run / "step0"), save_overwrite=False), TDAConfig())
     for name in ("step0", "step2", "step2-unsharded", "latest"):
         olmo_train._remove(run / name)
-    with pytest.raises(ConfigError, match="no checkpoint to resume"):
+    (run / "tda.yaml").write_text(yaml.safe_dump({**yaml.safe_load((run / "tda.yaml").read_text()),
+                                                  "finished": {"step": 2}}))
+    with pytest.raises(ConfigError, match="ended without saving a checkpoint: pass --save_overwrite"):
         olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
     assert GradientStore.open(run / "tda" / "store").num_rows == 2
     assert olmo_train._choose_start(_cfg(tmp_path / "new", try_load_latest_save=True, save_overwrite=False),
                                     TDAConfig()) is False                        # a first start: fresh
 
 
-SCHEDULER_ENV = ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_CLUSTER_NAME", "TORCHELASTIC_RUN_ID",
-                 "TORCHELASTIC_RESTART_COUNT")
-
-
-def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_only_that(tmp_path, monkeypatch):
-    """A Slurm job requeued before its run's first checkpoint (try_load_latest_save finds none;
-    save_overwrite: false as configs/olmo_1b.yaml) starts the run over: the same cluster and job id,
-    restarted since the run's tda.yaml recorded it. Another job or cluster, the same attempt, a
-    torchrun restart of a run Slurm's job recorded (its run id alone is shared by every command with
-    the same --rdzv_id), a plain start, or a record that cannot be read is refused as before, with the
-    old run left as it was. (torchrun's own restarts: the next test.)"""
+def test_a_run_stopped_before_its_first_checkpoint_is_started_over_by_any_start(tmp_path):
+    """A run that neither saved a checkpoint nor recorded its end (preempted, crashed, requeued or
+    restarted before its first checkpoint) holds nothing a start could resume: any start, without
+    save_overwrite and whatever launched it, starts it over, removing its TDA outputs first. A
+    continued pretraining from another run's checkpoint resumes that checkpoint again (the resume cuts
+    the stopped attempt's rows), or with reset_trainer_state starts over from step 0. Once a checkpoint
+    exists, the start resumes it and never starts over."""
     run = _old_run(tmp_path / "run")
     for name in ("step0", "step2", "step2-unsharded", "latest"):
         olmo_train._remove(run / name)
-    recorded = yaml.safe_load((run / "tda.yaml").read_text())
 
-    def attempt(value):
-        (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": value}))
-
-    def start(load_path=None, reset=False, **env):
-        for key in SCHEDULER_ENV:
-            monkeypatch.delenv(key, raising=False)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        cfg = _cfg(run, try_load_latest_save=True, save_overwrite=False, load_path=load_path,
-                   reset_trainer_state=reset)
+    def start(load_path=None, reset=False):
+        cfg = _cfg(run, try_load_latest_save=True, save_overwrite=False, load_path=load_path, reset_trainer_state=reset)
         return olmo_train._choose_start(cfg, TDAConfig())
 
-    job = {"scheduler": "slurm", "cluster": "c1", "job": "77", "restart": 0}
-    attempt(job)
-    refused = [{}, {"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1", "SLURM_CLUSTER_NAME": "c1"},
-               {"SLURM_JOB_ID": "77", "SLURM_CLUSTER_NAME": "c1"},
-               {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0", "SLURM_CLUSTER_NAME": "c1"},
-               {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "SLURM_CLUSTER_NAME": "c2"},
-               {"TORCHELASTIC_RUN_ID": "77", "TORCHELASTIC_RESTART_COUNT": "1"}]
-    for env in refused:
-        with pytest.raises(ConfigError, match="no checkpoint to resume .* requeue of the Slurm job"):
-            start(**env)
-    requeue = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1", "SLURM_CLUSTER_NAME": "c1"}
-    for damaged in ("not a mapping", {**job, "restart": "zero"}, {**job, "restart": True}, None):
-        attempt(damaged)
-        with pytest.raises(ConfigError, match="no checkpoint to resume"):
-            start(**requeue)
-    (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": job, "finished": {"step": 2}}))
-    with pytest.raises(ConfigError, match=r"ended .*finished.* a requeue of Slurm job 77 \(restart 1\) does not start"):
-        start(**requeue)                                    # the run ended, without a checkpoint
-    assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
-    attempt(job)
     (run / "step2").mkdir()
     (run / "step4").mkdir()
-    assert start(**requeue) is True      # the folder holds checkpoints: the requeue resumes, never starts over
+    assert start() is True                            # the folder holds checkpoints: resumed, never started over
     for cfg, error in ((_cfg(run, load_path=str(run / "step2"), save_overwrite=False), "not the latest checkpoint"),
                        (_cfg(run, save_overwrite=False), "already holds a run")):
         with pytest.raises(ConfigError, match=error):
@@ -276,115 +244,19 @@ def test_a_requeued_job_starts_over_the_run_it_left_without_a_checkpoint_and_onl
     assert (run / "step2").is_dir() and GradientStore.open(run / "tda" / "store").num_rows == 2
     for name in ("step2", "step4"):
         olmo_train._remove(run / name)
-
-    # continued pretraining from another run's checkpoint: the requeue resumes it again (the resume
-    # cuts the stopped attempt's rows), or with reset_trainer_state starts over from step 0
     other = tmp_path / "other" / "step3"
     other.mkdir(parents=True)
-    assert start(load_path=str(other), **requeue) is True
+    assert start(load_path=str(other)) is True
     assert GradientStore.open(run / "tda" / "store").num_rows == 2 and (run / "tda" / "metrics.jsonl").is_file()
-    assert start(load_path=str(other), reset=True, **requeue) is True
+    assert start(load_path=str(other), reset=True) is True
     assert list((run / "tda").iterdir()) == [] and other.is_dir()
     _store(run / "tda" / "store")
-    assert start(**requeue) is True                                    # the requeue: its run, over from step 0
+    assert start() is True                                             # its run, over from step 0
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "steps_notes.txt", "tda", "tda.yaml"]
     assert list((run / "tda").iterdir()) == []
-
-
-def test_a_torchrun_restart_starts_over_the_run_its_agent_started_and_only_that(tmp_path, monkeypatch):
-    """torchrun --max_restarts: a restart of the workers by the agent whose attempt started the run
-    (the same agent process: host, boot, pid and start time; its run id; a higher
-    TORCHELASTIC_RESTART_COUNT) starts over a run stopped before its first checkpoint. Another agent
-    (a new torchrun, even with the same --rdzv_id), the same attempt, or a damaged record is refused.
-    The real 2-rank restart is in test_deepspeed.py and test_olmo_integration.py."""
-    from olmo_tda.integrations import launch_attempt, restart_of
-
-    run = _old_run(tmp_path / "run")
-    for name in ("step0", "step2", "step2-unsharded", "latest"):
-        olmo_train._remove(run / name)
-    recorded = yaml.safe_load((run / "tda.yaml").read_text())
-    for key in SCHEDULER_ENV:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-1")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    agent = launch_attempt()["torchrun"]          # this process's parent stands for the agent
-    assert agent["agent_pid"] == os.getppid() and agent["restart"] == 0 and agent["run_id"] == "rdzv-1"
-
-    def start(then: dict, restart: str) -> bool:
-        (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": {"torchrun": then}}))
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
-        return olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
-
-    for then, restart in (({**agent, "agent_pid": agent["agent_pid"] + 1}, "1"),     # another agent ...
-                          ({**agent, "agent_start": agent["agent_start"] - 1}, "1"),  # ... once had its pid
-                          ({**agent, "boot_id": "another boot"}, "1"),
-                          ({**agent, "host": "another-node"}, "1"),
-                          ({**agent, "run_id": "rdzv-2"}, "1"),
-                          (agent, "0"),                                    # the same attempt, the same worker
-                          ({k: v for k, v in agent.items() if not k.startswith("worker")}, "0"),
-                          ({**agent, "worker_pid": "1"}, "0"),
-                          ({**agent, "restart": "0"}, "1"), ({**agent, "restart": True}, "1"),
-                          ({k: v for k, v in agent.items() if k != "restart"}, "1")):
-        with pytest.raises(ConfigError, match="no checkpoint to resume .* or a restart by its torchrun, starts"):
-            start(then, restart)
-    assert GradientStore.open(run / "tda" / "store").num_rows == 2
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    assert restart_of({"torchrun": agent}) is None
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert restart_of({"torchrun": agent}) == (f"torchrun's restart 2 of its workers (agent pid {agent['agent_pid']} "
-                                               f"on {agent['host']})")
-    # the same agent under a Slurm job: either record matching is enough
-    monkeypatch.setenv("SLURM_JOB_ID", "9")
-    assert restart_of({"scheduler": "slurm", "cluster": "", "job": "9", "restart": 0, "torchrun": agent})
-    (run / "tda.yaml").write_text(yaml.safe_dump({**recorded, "attempt": {"torchrun": agent},
-                                                  "finished": {"step": 2}}))
-    with pytest.raises(ConfigError, match="ended .*finished.* torchrun's restart 2 .* does not start a finished run"):
-        olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
-    # a new worker of the same agent at the same count: the agent restarted its workers because the
-    # nodes changed (another node's worker failed)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    moved = {**agent, "worker_pid": agent["worker_pid"] + 1}
-    assert restart_of({"torchrun": moved}) == (f"torchrun's restart of its workers after the nodes changed (agent pid "
-                                               f"{agent['agent_pid']} on {agent['host']}, restart count 0)")
-    assert restart_of({"torchrun": {**agent, "worker_start": agent["worker_start"] - 1}}) is not None
-    assert restart_of({"torchrun": {**moved, "agent_start": agent["agent_start"] - 1}}) is None
-    assert start(agent, "1") is True                  # the agent's restart: its run, over from step 0
-    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "steps_notes.txt", "tda", "tda.yaml"]
+    _store(run / "tda" / "store")
+    olmo_train._choose_start(_cfg(run, save_overwrite=False), TDAConfig())     # a plain rerun, too
     assert list((run / "tda").iterdir()) == []
-
-
-def test_the_launch_a_run_records_is_slurms_job_and_torchruns_agent(monkeypatch):
-    from olmo_tda.integrations import launch_attempt
-
-    for key in SCHEDULER_ENV:
-        monkeypatch.delenv(key, raising=False)
-    assert launch_attempt() is None
-    monkeypatch.setenv("SLURM_JOB_ID", "123")
-    assert launch_attempt() == {"scheduler": "slurm", "cluster": "", "job": "123", "restart": 0}
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    monkeypatch.setenv("SLURM_CLUSTER_NAME", "big")
-    assert launch_attempt() == {"scheduler": "slurm", "cluster": "big", "job": "123", "restart": 2}
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    with open(f"/proc/{os.getppid()}/stat") as f:           # field 22: the start time, in clock ticks
-        started = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/self/stat") as f:
-        worker_started = int(f.read().rsplit(")", 1)[1].split()[19])
-    agent = launch_attempt().pop("torchrun")
-    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    assert agent == {"host": socket.gethostname(), "boot_id": boot, "agent_pid": os.getppid(), "agent_start": started,
-                     "run_id": "abc", "restart": 1, "worker_pid": os.getpid(), "worker_start": worker_started}
-    # a worker of torchrun's worker (a shell between them) does not take that shell for the agent
-    probe = "from olmo_tda.integrations import launch_attempt; print(launch_attempt())"
-    through_shell = subprocess.run(["bash", "-c", f"{sys.executable} -c '{probe}'; true"], capture_output=True,
-                                   text=True, env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "1"}, timeout=120)
-    assert through_shell.stdout.strip().splitlines()[-1] == str({"scheduler": "slurm", "cluster": "big", "job": "123",
-                                                                "restart": 2}), through_shell.stderr[-2000:]
-    direct = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "TORCHELASTIC_RESTART_COUNT": "1"})
-    assert f"'agent_pid': {os.getpid()}" in direct.stdout, direct.stderr[-2000:]
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "not a count")
-    assert "torchrun" not in launch_attempt()
 
 
 def test_a_torchrun_that_would_restart_over_its_shared_store_is_told_the_fix(monkeypatch):
@@ -394,8 +266,7 @@ def test_a_torchrun_that_would_restart_over_its_shared_store_is_told_the_fix(mon
     or the store not shared: nothing to say."""
     from olmo_tda.integrations import torchrun_restart_warning
 
-    for key in ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                *SCHEDULER_ENV):
+    for key in ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         monkeypatch.delenv(key, raising=False)
     assert torchrun_restart_warning() is None
     for restarts, shared, says in (("3", "True", True), ("0", "True", False), ("3", "False", False),
@@ -413,11 +284,6 @@ def test_a_torchrun_that_would_restart_over_its_shared_store_is_told_the_fix(mon
         in torchrun_restart_warning()
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "²")       # str.isdigit() takes it, int() does not
     assert torchrun_restart_warning() is None
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "²")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "²")
-    monkeypatch.setenv("SLURM_JOB_ID", "5")
-    from olmo_tda.integrations import launch_attempt
-    assert launch_attempt() == {"scheduler": "slurm", "cluster": "", "job": "5", "restart": 0}
 
 
 def test_a_sharded_checkpointer_that_cannot_work_here_is_refused_before_training():

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, Callable, NoReturn
 
-__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "end_failed_rank", "launch_attempt",
-           "one_of_several_ranks", "quiet_olmo_warnings", "restart_of", "resume_state", "sum_and_max_over_ranks",
+__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "end_failed_rank",
+           "one_of_several_ranks", "quiet_olmo_warnings", "resume_state", "sum_and_max_over_ranks",
            "sum_over_ranks", "torchrun_restart_warning"]
 
 
@@ -125,62 +124,6 @@ def sum_and_max_over_ranks(sums: list[float], maxima: list[float], device: Any) 
     return stacked[:, :len(sums)].sum(dim=0).tolist(), stacked[:, len(sums):].amax(dim=0).tolist()
 
 
-def launch_attempt() -> dict[str, Any] | None:
-    """What started this process, as a run records it when it starts, so that a later attempt of the
-    same launch may start over a run it left without a checkpoint. Under Slurm: the cluster, the job
-    id and ``SLURM_RESTART_COUNT`` (a requeued job keeps its id, and the count goes up). Under
-    torchrun: its agent (the process that restarts the workers, ``--max_restarts``; see
-    :func:`_torchrun_agent`) under ``"torchrun"``. Either, both, or None outside both."""
-    env = os.environ
-    out: dict[str, Any] = {}
-    job = env.get("SLURM_JOB_ID", "").strip()
-    if job:
-        count = env.get("SLURM_RESTART_COUNT", "").strip()
-        out.update(scheduler="slurm", cluster=env.get("SLURM_CLUSTER_NAME", "").strip(), job=job,
-                   restart=int(count) if count.isascii() and count.isdigit() else 0)
-    agent = _torchrun_agent()
-    if agent is not None:
-        out["torchrun"] = agent
-    return out or None
-
-
-def _torchrun_agent() -> dict[str, Any] | None:
-    """The torchrun agent that started this worker, how many times it has restarted its workers
-    after a failure (``TORCHELASTIC_RESTART_COUNT``), and this worker process. The agent is this
-    process's parent, told apart from any other process that ever had its pid by its start time and
-    the boot (Linux ``/proc``). torchrun's run id alone would not do: every command given the same
-    ``--rdzv_id`` shares it, so a restart of another command would pass for a restart of the run.
-    None outside torchrun, where ``/proc`` cannot tell the parent, or when the parent is not the
-    agent but one of its workers (a shell between them: its environment, unlike the agent's, holds
-    the restart count). This names the torchrun command's process: a program that calls torch's
-    ``elastic_launch`` itself more than once, with one run id, over one folder would pass its second
-    launch's restarts for the first's."""
-    env = os.environ
-    count = env.get("TORCHELASTIC_RESTART_COUNT", "").strip()
-    if not (count.isascii() and count.isdigit()):     # (isdigit alone takes '²', which int() refuses)
-        return None
-    parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/environ", "rb") as f:
-            if any(item.startswith(b"TORCHELASTIC_RESTART_COUNT=") for item in f.read().split(b"\0")):
-                return None             # the parent is a worker (a shell), not the agent
-        agent_start, worker_start = _started(parent), _started(os.getpid())
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except (OSError, ValueError, IndexError):
-        return None
-    return {"host": socket.gethostname(), "boot_id": boot, "agent_pid": parent, "agent_start": agent_start,
-            "run_id": env.get("TORCHELASTIC_RUN_ID", ""), "restart": int(count), "worker_pid": os.getpid(),
-            "worker_start": worker_start}
-
-
-def _started(pid: int) -> int:
-    """When process ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat`` field 22)."""
-    with open(f"/proc/{pid}/stat") as f:
-        # after the command name (in parentheses, which may hold spaces and parentheses): state, ppid, ...
-        return int(f.read().rsplit(")", 1)[1].split()[19])
-
-
 def torchrun_restart_warning() -> str | None:
     """What to tell a run whose torchrun may restart its workers (``--max_restarts`` > 0) while it
     shares its rendezvous store with them (``TORCHELASTIC_USE_AGENT_STORE``, torch's default since
@@ -205,42 +148,6 @@ def torchrun_restart_warning() -> str | None:
                        "static one, --master_addr/--master_port): use --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT "
                        "(or --standalone on one node) so that restarts work")
     return said + "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment so that restarts work"
-
-
-def restart_of(saved: Any) -> str | None:
-    """How this process is a later attempt of the launch that started the run which recorded
-    ``saved`` (its :func:`launch_attempt`), in words for the log, or None if it is not one: the same
-    Slurm cluster and job, requeued since; or the same torchrun agent, which has restarted its
-    workers since. Only such an attempt may start a run over in the folder it left without a
-    checkpoint; anything unreadable is not one."""
-    now = launch_attempt()
-    if now is None or not isinstance(saved, Mapping):
-        return None
-    if now.get("scheduler") == "slurm" and saved.get("scheduler") == "slurm" \
-            and str(saved.get("cluster", "")) == now["cluster"] and str(saved.get("job")) == now["job"] \
-            and _count(saved.get("restart")) and now["restart"] > saved["restart"]:
-        return f"a requeue of Slurm job {now['job']} (restart {now['restart']})"
-    agent, then = now.get("torchrun"), saved.get("torchrun")
-    if agent is None or not isinstance(then, Mapping) or not _count(then.get("restart")) \
-            or not all(then.get(key) == agent[key] for key in _AGENT_KEYS):
-        return None
-    where = f"agent pid {agent['agent_pid']} on {agent['host']}"
-    if agent["restart"] > then["restart"]:
-        return f"torchrun's restart {agent['restart']} of its workers ({where})"
-    if agent["restart"] == then["restart"] and _count(then.get("worker_pid")) and _count(then.get("worker_start")) \
-            and (then["worker_pid"], then["worker_start"]) != (agent["worker_pid"], agent["worker_start"]):
-        # a new worker of the same agent at the same count: the agent restarted its workers because
-        # the nodes changed (another node's worker failed; torch counts only a node's own failures)
-        return f"torchrun's restart of its workers after the nodes changed ({where}, restart count {agent['restart']})"
-    return None
-
-
-_AGENT_KEYS = ("host", "boot_id", "agent_pid", "agent_start", "run_id")
-"""What tells one torchrun agent from every other (see :func:`_torchrun_agent`)."""
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def cut_departed_ranks(store: Any, step: int) -> None:

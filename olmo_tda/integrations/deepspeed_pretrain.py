@@ -42,8 +42,8 @@ from ..config import ConfigError, ProjectionType, TDAConfig, to_plain
 from ..store.errors import StoreError
 from ..store.format import write_json_atomic
 from ..training.selection import DataOrder
-from . import (decided_on_rank0, end_failed_rank, launch_attempt, one_of_several_ranks, quiet_olmo_warnings, restart_of,
-               torchrun_restart_warning)
+from . import decided_on_rank0, end_failed_rank, one_of_several_ranks, quiet_olmo_warnings, torchrun_restart_warning
+from .run_folder import Flags, Folder, Refuse, plan_start
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
 
@@ -398,18 +398,17 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             raise
     elif session.store is not None and session.store.held_rows():
         rows, path = session.store.held_rows(), session.store.path
-        # rank 0 reads run.json, which it rewrites below: every rank gets the one answer
-        restart = decided_on_rank0(lambda: _restart_of_run(run_dir))
-        if restart is not None:
-            log.warning("run_dir: %s holds the run this launch started, stopped before its first checkpoint; this "
-                        "is %s: starting it over (the %d rows stored in %s are dropped)", run_dir, restart, rows, path)
-            session.start_over()
-        else:
+        # the run-folder plan (its end is summary.json); rank 0 reads, every rank gets the one answer
+        plan = decided_on_rank0(lambda: plan_start(Folder(run=True, finished=(run_dir / "summary.json").exists()),
+                                                   Flags(latest=True)))
+        if isinstance(plan, Refuse):
             session.close()
             raise ConfigError(f"run_dir: {run_dir} has no checkpoint to resume from, but the gradient store {path} "
-                              f"holds {rows} rows of an earlier run: this run's would be mixed into it. Give a new "
-                              f"run_dir (or tda.store.path), or remove {path} to start over (a requeue of the Slurm "
-                              "job that started it, or a restart by its torchrun, starts it over by itself)")
+                              f"holds {rows} rows of an earlier run, which ended (summary.json): this run's would "
+                              f"be mixed into it. Give a new run_dir (or tda.store.path), or remove {path} to "
+                              "start over")
+        log.warning("run_dir: %s: %s (the %d rows stored in %s are dropped)", run_dir, plan.why, rows, path)
+        session.start_over()
     # Written once the run has started or resumed: a refused resume leaves the files of the run it
     # refused to continue as they were.
     if rank == 0:
@@ -425,7 +424,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
             "kind": "deepspeed_pretrain", "model": cfg["model"],
             "data_paths": [str(Path(p).resolve()) for p in data_paths],
             "seq_len": int(cfg["data"]["seq_len"]), "tokenizer": tokenizer, "tda": tda.to_dict(),
-            "weights": WEIGHTS_FILE, "attempt": launch_attempt(),     # its later attempts may start over
+            "weights": WEIGHTS_FILE,
             "zero_stage": stage, "world_size": world,                 # what its checkpoints need to load
             "train_batch_size": engine.train_batch_size()})           # and to read the same data order
 
@@ -583,16 +582,6 @@ def _check_same_batch(engine: Any, ckpt: Path, world: int, recorded: Any) -> Non
         f"{engine.train_micro_batch_size_per_gpu()} x gradient_accumulation_steps "
         f"{engine.gradient_accumulation_steps()} x {world} rank(s)), but the checkpoint in {ckpt} {trained}: the data "
         f"order is read by step x batch, so another batch would skip or repeat examples. {remedy}")
-
-
-def _restart_of_run(run_dir: Path) -> str | None:
-    """How this process is a later attempt of the launch that started the run in ``run_dir`` (a
-    requeue of its Slurm job, a restart by its torchrun: :func:`restart_of`; ``run.json`` records the
-    launch), or None if it is not one, or if that run ended (it writes ``summary.json`` at its end: a
-    run that finished without a checkpoint is not started over). Unreadable: not one."""
-    if (run_dir / "summary.json").exists():
-        return None
-    return restart_of(_saved_run(run_dir).get("attempt"))
 
 
 def _saved_run(run_dir: Path) -> dict[str, Any]:

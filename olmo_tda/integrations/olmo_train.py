@@ -20,8 +20,9 @@ import yaml
 
 from ..config import ConfigError, TDAConfig
 from ..store.format import STORE_JSON, write_text_atomic
-from . import decided_on_rank0, launch_attempt, restart_of, torchrun_restart_warning
+from . import decided_on_rank0, torchrun_restart_warning
 from .olmo import BASIS_FILE, TDA_YAML, TDATrainer
+from .run_folder import Flags, Folder, Refuse, Resume, plan_start
 
 __all__ = ["train", "init_distributed", "release_distributed"]
 
@@ -150,9 +151,6 @@ def _save_configs(cfg, tda_cfg: TDAConfig, store_id: str | None = None) -> None:
     saved: dict = {"tda": tda_cfg.to_dict()}
     if store_id:
         saved["store_id"] = store_id
-    attempt = launch_attempt()      # the launch that started it: its later attempts
-    if attempt:                     # may start it over (see _requeue_restarts)
-        saved["attempt"] = attempt
     (folder / TDA_YAML).write_text(yaml.safe_dump(saved, sort_keys=False))
 
 
@@ -233,16 +231,16 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=(), trainer_cls: type | None =
 
 
 def _record_the_end(folder: Path, step: int) -> None:
-    """``finished: {step}`` in the run's tda.yaml (atomically): a later attempt of its launch after this end
-    must not take the run, checkpointed or not, for one stopped before its first checkpoint (see
-    :func:`_requeue_restarts`). A later start of the run (a resume) writes tda.yaml afresh."""
+    """``finished: {step}`` in the run's tda.yaml (atomically): a later start over the folder must not take
+    the run, checkpointed or not, for one stopped before its first checkpoint (which it would start over:
+    see :mod:`.run_folder`). A later start of the run (a resume) writes tda.yaml afresh."""
     path = folder / TDA_YAML
     try:
         saved = yaml.safe_load(path.read_text()) or {}
         saved["finished"] = {"step": int(step)}
         write_text_atomic(path, yaml.safe_dump(saved, sort_keys=False))
     except (OSError, yaml.YAMLError, TypeError) as e:     # the run itself is done and saved: say so, go on
-        log.warning("could not record the run's end in %s (%s): a requeue of this job would take the run for one "
+        log.warning("could not record the run's end in %s (%s): a later start here would take the run for one "
                     "stopped before its first checkpoint", path, e)
 
 
@@ -364,19 +362,16 @@ def _absolute(path) -> str:
 
 
 def _choose_start(cfg, tda_cfg: TDAConfig) -> bool:
-    """OLMo's start rules: ``try_load_latest_save`` sets ``load_path`` to the latest checkpoint of the
-    save folder (else of ``remote_save_folder``); a folder that holds a run needs ``save_overwrite``
-    unless the start resumes its latest checkpoint (which removes and overwrites nothing).
-
-    A fresh start (nothing to load, or ``reset_trainer_state``) over an old run removes what would be
-    mixed into the new one: OLMo's checkpoints (``stepN[-unsharded]``, ``latest[-unsharded]``) and the
-    TDA outputs the old run's ``tda.yaml`` names, each only if it holds what it should and nothing else
-    (a store's files, a trajectory's checkpoint folders). Anything that contains the save folder or the
-    checkpoint to load is refused, not removed; so is a TDA path of the new config that already holds
-    another run's store or trajectory, in any folder. Rank 0 decides and removes; every rank gets its
-    outcome (shared save folders, as OLMo's own ``config.yaml`` needs). Returns whether the start
-    continues the folder's run: from its latest checkpoint, or over from step 0 by a requeue of its
-    job (see :func:`_requeue_restarts`, :func:`build_trainer`)."""
+    """Carry out the run-folder plan (:func:`~olmo_tda.integrations.run_folder.plan_start`) for OLMo's
+    flags: ``try_load_latest_save`` sets ``load_path`` to the latest checkpoint of the save folder (else
+    of ``remote_save_folder``) and clears the reset flags, as OLMo's script does; a refusal raises
+    :class:`ConfigError` naming the folder; a start that clears the old run removes its checkpoints
+    (``stepN[-unsharded]``, ``latest[-unsharded]``) and the TDA outputs its ``tda.yaml`` names, each only
+    if it holds what it should and nothing else, refusing rather than removing anything that contains
+    the save folder or the checkpoint to load; a fresh start refuses a TDA path of the new config that
+    already holds another run's store or trajectory, in any folder. Rank 0 decides and removes; every
+    rank gets its outcome. Returns whether the start continues the folder's run (its ``train_data``
+    folder is reused, see :func:`build_trainer`)."""
     from olmo.util import find_latest_checkpoint
 
     folder = Path(cfg.save_folder)
@@ -396,100 +391,68 @@ def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> bool:
     load = _local(cfg.load_path)
     if load is not None and not load.exists():
         raise ConfigError(f"load_path: no such checkpoint {cfg.load_path}")
-    held = not cfg.dry_run and (folder / "config.yaml").is_file()
-    continues = held and _resumes_latest(cfg, folder, load)
-    restarts = held and not cfg.save_overwrite and not continues and _requeue_restarts(cfg, folder, load)
-    if held and not cfg.save_overwrite and not continues and not restarts:
-        _refuse_overwrite(cfg, folder, load)
-    fresh = not cfg.dry_run and (cfg.load_path is None or cfg.reset_trainer_state)
-    if not fresh:                 # a resume keeps the folder: the store is cut back when it is restored
-        return continues or restarts
-    stale: list[Path] = []
-    checkpoints: list[Path] = []
-    if held:
-        if load is not None and _inside(load, folder):
-            raise ConfigError(f"load_path {cfg.load_path} is a checkpoint of the run in {folder}, which a fresh start "
-                              "(reset_trainer_state) there would remove: start the new run in another save_folder")
-        checkpoints = [p for p in folder.iterdir() if _CHECKPOINT.match(p.name) or p.name in _LATEST]
-        stale = checkpoints + _old_tda_outputs(folder)
-        for path in stale:
-            if path in checkpoints and path.is_symlink():
-                continue                  # `latest`: only the link goes, whatever it points at
-            for keep, what in ((folder, "the save folder"), (load, "load_path")):
-                if keep is not None and _inside(keep, path):
-                    raise ConfigError(f"{path} (of the old run in {folder}) contains {what} {keep}: refusing to "
-                                      "remove it; point the old run's TDA paths elsewhere or clear it yourself")
-    gone = {p.resolve() for p in stale}
+    if cfg.dry_run:
+        return False
+    facts = _folder_facts(folder)
+    plan = plan_start(facts, _flags(cfg, folder, load))
+    if isinstance(plan, Refuse):
+        raise ConfigError(f"{folder}: {plan.reason}")
+    if isinstance(plan, Resume):      # a resume keeps the folder: the store is cut back when it is restored
+        if plan.step is None and facts.run:
+            log.warning("%s: %s: %s", folder, plan.why, cfg.load_path)
+        return plan.continues
+    if plan.clear:
+        log.warning("%s: %s", folder, plan.why)
+        _clear_old_run(folder, load)
     for path, kind in ((Path(tda_cfg.store.path or folder / "tda" / "store"), "store"),
                        (Path(tda_cfg.trajectory.path or folder / "tda" / "trajectory"), "trajectory")):
-        if path.resolve() not in gone and _holds(path, kind, rows=True):
+        if _holds(path, kind, rows=True):
             raise ConfigError(f"tda.{kind}.path {path} already holds a {kind} (of another run): a new run would mix "
                               "into it; point it elsewhere or remove it")
-    if stale:
-        log.warning("a fresh start over the old run: removing its %s", ", ".join(map(str, stale)))
-        for path in stale:
-            _remove(path, through_link=path not in checkpoints)
-    return restarts
+    return plan.clear
 
 
-def _resumes_latest(cfg, folder: Path, load: Path | None) -> bool:
-    """Whether the start continues the run in ``folder``: resumes it (trainer state and all) from its
-    latest checkpoint, as ``try_load_latest_save`` does after a preemption, so that nothing of it is
-    removed or overwritten. Without ``save_overwrite`` that is the only start a held folder allows."""
-    step = _checkpoint_step(load) if load is not None and _inside(load, folder) else None
-    if step is None or cfg.reset_trainer_state:
-        return False
-    return all(_checkpoint_step(p) <= step for p in folder.iterdir() if _CHECKPOINT.match(p.name))
-
-
-def _requeue_restarts(cfg, folder: Path, load: Path | None) -> bool:
-    """Whether a start without ``save_overwrite`` may start the run in ``folder`` over: the folder
-    holds no checkpoint (the run stopped before its first, so there is nothing of it to resume) and
-    this process is a later attempt of the launch that started it: a requeue of its Slurm job or a
-    restart by its torchrun (its ``tda.yaml`` records the launch; see :func:`restart_of`). The start
-    then goes on as with ``save_overwrite``: from step 0 the old outputs are removed, and from a
-    ``load_path`` outside the folder (continued pretraining) the stored rows past its step are cut
-    when it is restored. Any other start over a run with no
-    checkpoint is refused (another job's or torchrun's, or a rerun in the same attempt), and so is a
-    later attempt of a run that ended (``finished`` in its tda.yaml) without saving any checkpoint."""
-    if load is not None and _inside(load, folder):
-        return False
-    if any(_CHECKPOINT.match(p.name) or p.name in _LATEST for p in folder.iterdir()):
-        return False
+def _folder_facts(folder: Path) -> Folder:
+    """What the plan needs of ``folder``: a run's ``config.yaml``, its checkpoints' steps, and the end its
+    ``tda.yaml`` recorded."""
+    if not (folder / "config.yaml").is_file():
+        return Folder(checkpoints=_checkpoint_steps(folder))
     try:
         saved = yaml.safe_load((folder / TDA_YAML).read_text()) or {}
     except (OSError, yaml.YAMLError):
-        return False
-    restart = restart_of(saved.get("attempt")) if isinstance(saved, dict) else None
-    if restart is None:
-        return False
-    if saved.get("finished") is not None:
-        raise ConfigError(f"{folder} holds the run this launch started, and that run ended ({TDA_YAML}: finished "
-                          f"{saved['finished']}) without saving a checkpoint: {restart} does not start a finished "
-                          "run over. Pass --save_overwrite to start it over (its TDA outputs are removed), or use "
-                          "another save_folder")
-    log.warning("%s holds the run this launch started, stopped before its first checkpoint; this is %s: starting it "
-                "over%s", folder, restart, f" from {cfg.load_path}" if load is not None else "")
-    return True
+        saved = {}
+    return Folder(run=True, checkpoints=_checkpoint_steps(folder),
+                  finished=isinstance(saved, dict) and saved.get("finished") is not None)
 
 
-def _refuse_overwrite(cfg, folder: Path, load: Path | None) -> None:
-    """Refuse a start over the run in ``folder`` without ``save_overwrite``, saying what to pass."""
-    config = folder / "config.yaml"
-    if load is not None and _inside(load, folder) and _checkpoint_step(load) is not None \
-            and not cfg.reset_trainer_state:               # a resume from an earlier checkpoint
-        latest = max((p for p in folder.iterdir() if _CHECKPOINT.match(p.name)), key=_checkpoint_step)
-        raise ConfigError(f"load_path {cfg.load_path} is not the latest checkpoint of the run in {folder} (that is "
-                          f"{latest.name}): resuming it would overwrite the later ones; pass --save_overwrite to "
-                          "allow that, or --try_load_latest_save to resume the latest")
-    if cfg.try_load_latest_save and (load is None or not _inside(load, folder)):
-        raise ConfigError(f"{folder} already holds a run ({config}) but no checkpoint to resume (try_load_latest_save "
-                          "found none in it): pass --save_overwrite to start it over (its checkpoints and TDA outputs "
-                          "are removed), or use another save_folder (a requeue of the Slurm job that started it, "
-                          "or a restart by its torchrun, starts it over by itself)")
-    raise ConfigError(f"{folder} already holds a run ({config}): pass --try_load_latest_save to resume it from its "
-                      "latest checkpoint, or --save_overwrite to overwrite it (a fresh start, or a resume from "
-                      "another checkpoint)")
+def _flags(cfg, folder: Path, load: Path | None) -> Flags:
+    inside = load is not None and _inside(load, folder) and _checkpoint_step(load) is not None
+    return Flags(load_step=_checkpoint_step(load) if inside else None,
+                 load_outside=cfg.load_path is not None and not inside, latest=bool(cfg.try_load_latest_save),
+                 overwrite=bool(cfg.save_overwrite), reset=bool(cfg.reset_trainer_state))
+
+
+def _checkpoint_steps(folder: Path) -> tuple[int, ...]:
+    if not folder.is_dir():
+        return ()
+    return tuple(sorted({_checkpoint_step(p) for p in folder.iterdir() if _CHECKPOINT.match(p.name)}))
+
+
+def _clear_old_run(folder: Path, load: Path | None) -> None:
+    """Remove the old run's checkpoints and TDA outputs (never anything holding the folder or ``load``)."""
+    checkpoints = [p for p in folder.iterdir() if _CHECKPOINT.match(p.name) or p.name in _LATEST]
+    stale = checkpoints + _old_tda_outputs(folder)
+    for path in stale:
+        if path in checkpoints and path.is_symlink():
+            continue                  # `latest`: only the link goes, whatever it points at
+        for keep, what in ((folder, "the save folder"), (load, "load_path")):
+            if keep is not None and _inside(keep, path):
+                raise ConfigError(f"{path} (of the old run in {folder}) contains {what} {keep}: refusing to "
+                                  "remove it; point the old run's TDA paths elsewhere or clear it yourself")
+    if stale:
+        log.warning("a fresh start over the old run: removing its %s", ", ".join(map(str, stale)))
+    for path in stale:
+        _remove(path, through_link=path not in checkpoints)
 
 
 def _checkpoint_step(path: Path) -> int | None:
