@@ -59,7 +59,8 @@ def main(argv=None) -> dict:
     from olmo.config import ModelConfig
 
     from olmo_tda.integrations.deepspeed import attach
-    from olmo_tda.integrations.deepspeed_pretrain import CausalLM
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from deepspeed_pretrain import CausalLM       # the example trainer's model wrapper
 
     for var, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29400 + os.getpid() % 500)),
                        ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):

@@ -3,11 +3,11 @@
 #
 #   launch/local_deepspeed.sh CONFIG [NPROC] [--key=value ...]     (CONFIG e.g. configs/deepspeed_tiny.yaml)
 #
-# Runs `python -m olmo_tda.integrations.deepspeed_pretrain CONFIG ...` in NPROC processes, which read
-# RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment. With GPUs (nvidia-smi on
-# PATH and torch sees CUDA): `deepspeed --num_gpus=NPROC --no_local_rank --module ...`, NPROC defaulting
-# to every visible GPU. Without: `python -m torch.distributed.run --standalone --nproc_per_node=NPROC -m
-# ...`, NPROC defaulting to 1 (DeepSpeed's launcher counts NUMA nodes as CPU "devices" and always uses
+# Runs the example trainer `examples/deepspeed_pretrain.py CONFIG ...` (of this checkout) in NPROC
+# processes, which read RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from the environment. With GPUs
+# (nvidia-smi on PATH and torch sees CUDA): `deepspeed --num_gpus=NPROC --no_local_rank SCRIPT ...`, NPROC
+# defaulting to every visible GPU. Without: `python -m torch.distributed.run --standalone
+# --nproc_per_node=NPROC SCRIPT ...`, NPROC defaulting to 1 (DeepSpeed's launcher counts NUMA nodes as CPU "devices" and always uses
 # port 29500; torchrun's standalone mode picks a free port). The script picks gloo on CPU, nccl on GPU.
 #
 # Environment:
@@ -22,7 +22,8 @@
 set -euo pipefail
 
 readonly prog=local_deepspeed.sh
-readonly module=olmo_tda.integrations.deepspeed_pretrain
+example="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/examples/deepspeed_pretrain.py"
+readonly example
 
 # shellcheck source=_local_args.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/_local_args.sh"
@@ -86,10 +87,10 @@ if [[ "$launcher" == deepspeed ]]; then
     if [[ -n "${MASTER_PORT:-}" ]]; then
         cmd+=(--master_port="$MASTER_PORT")
     fi
-    cmd+=(--no_local_rank --module "$module" "$config" "$@")
+    cmd+=(--no_local_rank "$example" "$config" "$@")
 else
     cmd=("$python" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$num_procs"
-        -m "$module" "$config" "$@")
+        "$example" "$config" "$@")
 fi
 
 print_and_run "${cmd[@]}"

@@ -51,7 +51,8 @@ class _BlindOs:
 selector.os = _BlindOs()
 
 if sys.argv[1] == "deepspeed":
-    from olmo_tda.integrations.deepspeed_pretrain import main as deepspeed_main
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from deepspeed_pretrain import main as deepspeed_main
 
     sys.exit(deepspeed_main(sys.argv[2:]))
 from olmo_tda.cli import main  # noqa: E402

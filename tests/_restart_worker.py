@@ -46,7 +46,8 @@ kind, args = sys.argv[1], sys.argv[2:]
 if kind == "deepspeed":
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from olmo_tda.integrations import deepspeed_pretrain as entry
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    import deepspeed_pretrain as entry
 
     _forward = DeepSpeedEngine.forward
 

@@ -1,4 +1,5 @@
-"""``python -m MODULE ARGS`` for the tests, without paying each run's imports again.
+"""``python -m MODULE ARGS`` (or ``python SCRIPT.py ARGS``) for the tests, without paying each run's
+imports again.
 
 A one-process ``olmo-tda train`` of the tiny OLMo spends ~7 of its ~9 s importing OLMo (which pulls in
 torchmetrics, transformers, datasets, scipy); the suite runs dozens of them. Here a long-lived process
@@ -37,8 +38,8 @@ HERE = Path(__file__).resolve().parent
 # What each entry point imports lazily or at the top, minus the module itself (it must run anew).
 PRELOAD = {
     "olmo_tda.cli": ("olmo_tda.integrations.olmo_train", "olmo_tda.integrations.olmo_query"),
-    "olmo_tda.integrations.deepspeed_pretrain": ("deepspeed", "olmo_tda.integrations.deepspeed",
-                                                 "olmo_tda.integrations.olmo"),
+    str(HERE.parent / "examples" / "deepspeed_pretrain.py"): ("deepspeed", "olmo_tda.integrations.deepspeed",
+                                                            "olmo_tda.integrations.olmo"),
 }
 # Read by the interpreter or a library while the preloaded modules are imported: a run that sets any
 # of these differently from the preloaded process is run cold.
@@ -51,10 +52,11 @@ def run_module(module: str, argv: list[str], *, env: dict[str, str], cwd: Path |
     """As ``subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
     timeout=timeout, env=env, cwd=cwd)`` (which it is, for a module without a preload set, for a run
     whose start-up variables differ from the preloaded process's, with a CUDA build of torch, or with
-    ``OLMO_TDA_TESTS_COLD=1``)."""
+    ``OLMO_TDA_TESTS_COLD=1``); a ``module`` ending in ``.py`` is a script path, run as ``python
+    SCRIPT``."""
     import torch
 
-    cmd = [sys.executable, "-m", module, *argv]
+    cmd = [sys.executable, module, *argv] if module.endswith(".py") else [sys.executable, "-m", module, *argv]
     if module not in PRELOAD or os.environ.get("OLMO_TDA_TESTS_COLD") == "1" or torch.version.cuda is not None:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     zygote = _zygote(module)
@@ -224,8 +226,12 @@ def _child(request: dict) -> None:
     torch.seed()                        # a new process seeds torch's and numpy's global generators afresh
     np.random.seed()
     module = request["module"]
-    sys.modules.pop(module, None)
     sys.argv = [module, *request["argv"]]
+    if module.endswith(".py"):          # a script: `python SCRIPT` puts the script's folder first
+        sys.path[0] = os.path.dirname(os.path.abspath(module))
+        runpy.run_path(module, run_name="__main__")
+        raise SystemExit(0)
+    sys.modules.pop(module, None)
     sys.path[0] = os.getcwd()           # as `python -m` puts the working directory first
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     raise SystemExit(0)

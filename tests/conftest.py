@@ -7,6 +7,7 @@ Ground truth is always computed independently of the code under test: per-exampl
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import warnings
 
 import pytest
@@ -75,6 +76,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+DS_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "deepspeed_pretrain.py"
+"""The DeepSpeed example trainer (a user's script, outside the package)."""
+
+
+def deepspeed_example():
+    """``examples/deepspeed_pretrain.py`` imported as the module ``deepspeed_pretrain``, as the
+    script's own folder on ``sys.path`` makes it importable when it runs."""
+    import importlib
+    import sys
+
+    folder = str(DS_EXAMPLE.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("deepspeed_pretrain")
 
 
 def outside_slurm_env() -> dict:

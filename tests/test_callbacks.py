@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from _wandb_history import run_history
-from conftest import outside_slurm_env
+from conftest import DS_EXAMPLE, deepspeed_example, outside_slurm_env
 from olmo_tda.config import ConfigError, TDAConfig
 from olmo_tda.training.callbacks import Callback, Callbacks, StepEnd, load_callback
 from test_olmo_integration import GBS, ROOT, _expected_ids, _overrides, data_dir  # noqa: F401
@@ -145,7 +145,7 @@ def _floats_per_example(store_path: Path) -> int:
 def test_deepspeed_zero2_two_ranks_same_wandb_keys_and_callback_survives_sigkill(tmp_path):
     """The DeepSpeed example on 2 ranks (ZeRO-2): the same witness from YAML is killed in step 3 and
     the rerun resumes from the step-2 checkpoint; W&B gets the same tda/* keys as the OLMo run's."""
-    from olmo_tda.integrations import deepspeed_pretrain as script
+    script = deepspeed_example()
 
     witness = tmp_path / "witness"
     witness.mkdir()
@@ -154,8 +154,8 @@ def test_deepspeed_zero2_two_ranks_same_wandb_keys_and_callback_survives_sigkill
             "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
             "--deepspeed.zero_optimization.stage=2", "--tda.capture.proj_dim=16", "--tda.store.flush_every=1",
             "--save_every=2", "--steps=4", "--tda.callbacks=[_witness_callback:Witness]", "--tda.wandb.enabled=true"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "olmo_tda.integrations.deepspeed_pretrain", str(ROOT / "configs" / "deepspeed_tiny.yaml"), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DS_EXAMPLE),
+           str(ROOT / "configs" / "deepspeed_tiny.yaml"), *args]
     env = {**outside_slurm_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            "PYTHONPATH": PYPATH, "WITNESS_DIR": str(witness)}
     killed = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,

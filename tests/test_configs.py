@@ -64,7 +64,9 @@ def test_there_are_configs():
 def test_deepspeed_config_loads_and_its_tda_section_parses(path):
     from olmo.config import ModelConfig
 
-    from olmo_tda.integrations.deepspeed_pretrain import load_config
+    from conftest import deepspeed_example
+
+    load_config = deepspeed_example().load_config
 
     cfg = load_config(path, ["--steps=3"])
     assert cfg["steps"] == 3 and cfg["deepspeed"]["zero_optimization"]["stage"] in (0, 1, 2, 3)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import _deepspeed_worker as worker
-from conftest import outside_slurm_env, rel_err
+from conftest import DS_EXAMPLE, deepspeed_example, outside_slurm_env, rel_err
 from olmo_tda.store import GradientStore
 
 pytest.importorskip("deepspeed")
@@ -58,8 +58,8 @@ DS_CONFIG = HERE.parent / "configs" / "deepspeed_tiny.yaml"
 def pretrain_two_ranks(cwd: Path, overrides: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """The DeepSpeed example script on 2 ranks (torchrun, gloo) with ``overrides``; it must succeed.
     ``env``: more variables, over this environment without Slurm's."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "olmo_tda.integrations.deepspeed_pretrain", str(DS_CONFIG), *overrides]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DS_EXAMPLE),
+           str(DS_CONFIG), *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
                           env={**outside_slurm_env(), "OMP_NUM_THREADS": "1", **(env or {})})
     assert done.returncode == 0, done.stderr[-6000:]
@@ -281,7 +281,7 @@ def test_deepspeed_example_zero3_on_two_ranks_starts_from_olmos_init(tmp_path):
     from olmo.config import ModelConfig
     from safetensors.torch import load_file
 
-    from olmo_tda.integrations import deepspeed_pretrain as script
+    script = deepspeed_example()
     from olmo_tda.training.trajectory import Trajectory
 
     run = tmp_path / "run"
@@ -307,7 +307,7 @@ def test_deepspeed_example_estimates_the_eigenbasis_over_both_ranks_batches(tmp_
     them on a plain build (the batches rebuilt from the script's data order)."""
     from olmo_tda.capture.eigenbasis import EigenBasis, estimate_eigenbasis
     from olmo_tda.config import TDAConfig
-    from olmo_tda.integrations import deepspeed_pretrain as script
+    script = deepspeed_example()
     from olmo_tda.training.selection import DataOrder
 
     run = tmp_path / "run"
@@ -371,7 +371,7 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
     job's attempt stopped before its first checkpoint (1 step, none saved), its requeue starts over
     for 4 steps with checkpoints every 2, rerun to 6 steps resumes; the store holds each (id, step) of
     the script's data order exactly once; a bad config exits 2 naming the key."""
-    from olmo_tda.integrations import deepspeed_pretrain as script
+    script = deepspeed_example()
 
     overrides = [f"--run_dir={tmp_path / 'run'}", "--model.d_model=32", "--model.embedding_size=257",
                  "--data.seq_len=32", "--model.max_sequence_length=32", "--deepspeed.train_micro_batch_size_per_gpu=2",
@@ -409,7 +409,7 @@ def test_deepspeed_example_pretraining_script_trains_resumes_and_fills_the_store
                          "--top-k", "2", "--json", str(out_json)]) == 0
         top = _json.loads(out_json.read_text())[0]["results"][0]
         assert top["index"] == trained and top["text"] == passages[trained], (method, top)
-    bad = subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", str(DS_CONFIG),
+    bad = subprocess.run([sys.executable, str(DS_EXAMPLE), str(DS_CONFIG),
                           "--stepz=3"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     assert bad.returncode == 2 and "unknown top-level keys ['stepz']" in bad.stderr
@@ -423,7 +423,7 @@ def test_deepspeed_example_torchrun_restart_starts_over_the_run_stopped_before_i
     once. Another torchrun over that folder after the run ended is refused."""
     import re
 
-    from olmo_tda.integrations import deepspeed_pretrain as script
+    script = deepspeed_example()
 
     run = tmp_path / "run"
     overrides = [f"--run_dir={run}", "--model.d_model=32", "--model.embedding_size=257", "--data.seq_len=32",

@@ -1,4 +1,4 @@
-"""The DeepSpeed example script's command line (``python -m olmo_tda.integrations.deepspeed_pretrain``):
+"""The DeepSpeed example script's command line (``python examples/deepspeed_pretrain.py``):
 docs/DEEPSPEED.md's plain single-process command trains (no launcher, no MPI), and every bad input is refused
 before training with one ``error:`` line naming the key, never a traceback. The 2-rank run, resume and
 queries are in ``test_deepspeed.py``. All tests here have ``deepspeed`` in their names."""
@@ -19,7 +19,9 @@ from olmo_tda.config import ConfigError
 
 pytest.importorskip("deepspeed")
 
-from olmo_tda.integrations import deepspeed_pretrain as script  # noqa: E402
+from conftest import DS_EXAMPLE, deepspeed_example  # noqa: E402
+
+script = deepspeed_example()
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepspeed_tiny.yaml"
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -34,7 +36,7 @@ def run_script(tmp_path: Path, *args: str, timeout: int = 120, env: dict | None 
     """The script as docs/DEEPSPEED.md runs it: ``python -m``, no launcher variables in the environment
     (``env``: more variables)."""
     plain = {k: v for k, v in outside_slurm_env().items() if k not in LAUNCH_ENV}
-    return run_module("olmo_tda.integrations.deepspeed_pretrain", [str(CONFIG), *args], timeout=timeout,
+    return run_module(str(DS_EXAMPLE), [str(CONFIG), *args], timeout=timeout,
                       env={**plain, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=tmp_path)
 
 

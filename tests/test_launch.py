@@ -354,7 +354,7 @@ def test_slurm_command_forms_a_two_node_world_on_cpu(fake):
 DS_SBATCH = LAUNCH / "slurm_deepspeed.sbatch"
 DS_LOCAL = LAUNCH / "local_deepspeed.sh"
 DS_SCRIPTS = [DS_SBATCH, DS_LOCAL]
-DS_MODULE = "olmo_tda.integrations.deepspeed_pretrain"
+DS_EXAMPLE = str(LAUNCH.parent / "examples" / "deepspeed_pretrain.py")    # what the local script runs
 PER_NODE = 'exec "$0" --node_rank="$SLURM_NODEID" "$@"'
 
 # Answers the script's GPU probe (`python -c ...`) with $FAKE_GPUS; otherwise records like the others.
@@ -439,11 +439,11 @@ def test_deepspeed_launchers_pass_every_config_key_through(monkeypatch):
     keys = list(yaml.safe_load((LAUNCH.parent / "configs" / "deepspeed_tiny.yaml").read_text()))
     assert {"run_dir", "steps", "deepspeed", "tda"} <= set(keys)
     overrides = [f"--{key}=1" for key in keys]
-    args = parse_deepspeed(["--no_local_rank", "--module", DS_MODULE, "run.yaml", *overrides])
+    args = parse_deepspeed(["--no_local_rank", DS_EXAMPLE, "run.yaml", *overrides])
     assert args.user_args == ["run.yaml", *overrides]
-    monkeypatch.setattr("sys.argv", ["launch", "--no_local_rank", "--module", DS_MODULE, "run.yaml", *overrides])
+    monkeypatch.setattr("sys.argv", ["launch", "--no_local_rank", DS_EXAMPLE, "run.yaml", *overrides])
     args = launch.parse_args()
-    assert (args.training_script, args.training_script_args) == (DS_MODULE, ["run.yaml", *overrides])
+    assert (args.training_script, args.training_script_args) == (DS_EXAMPLE, ["run.yaml", *overrides])
 
 
 @pytest.mark.parametrize("script", DS_SCRIPTS, ids=lambda p: p.name)
@@ -474,11 +474,11 @@ def test_slurm_deepspeed_dry_run_renders_hostfile_and_per_node_launch(fake):
     assert not any(a.startswith("--node_rank") for a in out.deepspeed)
     assert out.deepspeed[0] == "deepspeed"
     args = parse_deepspeed(out.deepspeed[1:])
-    assert args.no_ssh and args.no_local_rank and args.module
+    assert args.no_ssh and args.no_local_rank and not args.module
     assert args.hostfile == out.hostfile
     assert (args.master_addr, args.master_port) == (FAKE_HOSTS[0], PORT) == ("gpu-a17", 29845)
     assert args.num_gpus == -1 and args.include == ""  # the slots in the hostfile decide
-    assert args.user_script == DS_MODULE
+    assert args.user_script == str(fake.tmp / "examples" / "deepspeed_pretrain.py")    # in the submit directory
     assert args.user_args == [str(fake.config), *overrides]
 
     assert out.env["OMP_NUM_THREADS"] == "8"  # 32 CPUs per task / 4 ranks
@@ -565,7 +565,7 @@ def test_local_deepspeed_dry_run_on_cpu_uses_torchrun_standalone(fake):
     assert cmd[:3] == ["python-probe", "-m", "torch.distributed.run"]
     args = parse_torchrun(cmd[3:])
     assert args.standalone and args.nproc_per_node == "2" and args.nnodes == "1"
-    assert args.module and args.training_script == DS_MODULE
+    assert not args.module and args.training_script == DS_EXAMPLE
     assert args.training_script_args == [str(fake.config), *overrides]
     assert exported == {"OMP_NUM_THREADS": str(max(1, _cpus() // 2)), "WANDB_MODE": "offline"}
 
@@ -581,7 +581,7 @@ def test_local_deepspeed_dry_run_on_this_machine(fake):
     else:
         assert cmd[:3] == ["python", "-m", "torch.distributed.run"]
         args = parse_torchrun(cmd[3:])
-        assert (args.nproc_per_node, args.training_script) == ("1", DS_MODULE)
+        assert (args.nproc_per_node, args.training_script) == ("1", DS_EXAMPLE)
         assert args.training_script_args == [str(fake.config), "--steps=2"]
     assert exported["OMP_NUM_THREADS"] == str(_cpus())
 
@@ -607,7 +607,7 @@ def test_local_deepspeed_dry_run_with_gpus_uses_the_deepspeed_launcher(fake, npr
     args = parse_deepspeed(cmd[1:])
     key, value = selection
     assert getattr(args, key) == value
-    assert args.no_local_rank and args.module and args.user_script == DS_MODULE
+    assert args.no_local_rank and not args.module and args.user_script == DS_EXAMPLE
     assert args.user_args == [str(fake.config), *overrides]
     assert not args.no_ssh and args.master_port == 29500  # deepspeed's own default unless MASTER_PORT
     nproc = int(nproc_args[0]) if nproc_args else (4 if visible is None else len(visible.split(",")))
@@ -657,7 +657,7 @@ def test_local_deepspeed_usage_errors(fake, args, env_extra, message):
     assert fake.argv("deepspeed") is None and fake.argv("python-probe") is None
 
 
-# Stands in for the DeepSpeed pretraining module: joins the process group the launcher set up, reports.
+# Stands in for the DeepSpeed example trainer: joins the process group the launcher set up, reports.
 FAKE_DS_PRETRAIN = """import json, os, sys
 
 import torch, torch.distributed as dist
@@ -680,11 +680,8 @@ def test_slurm_deepspeed_command_forms_a_two_node_world_on_cpu(fake):
     import json
 
     _write_exe(fake.bin / "srun", FAKE_SRUN_DS)
-    pkg = fake.tmp / "olmo_tda" / "integrations"
-    pkg.mkdir(parents=True)
-    (pkg.parent / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "deepspeed_pretrain.py").write_text(FAKE_DS_PRETRAIN)
+    (fake.tmp / "examples").mkdir()
+    (fake.tmp / "examples" / "deepspeed_pretrain.py").write_text(FAKE_DS_PRETRAIN)     # in the submit directory
     deepspeed = Path(sysconfig.get_path("scripts")) / "deepspeed"
     env = slurm_env(fake, SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(free_port()), PYTHONPATH=str(fake.tmp),

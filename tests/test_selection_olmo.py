@@ -15,7 +15,7 @@ import pytest
 from olmo_tda.demo.corpus import build_passages
 from olmo_tda.demo.data import write_memmap
 from olmo_tda.store import GradientStore
-from conftest import free_port
+from conftest import DS_EXAMPLE, deepspeed_example, free_port
 from test_olmo_integration import GBS, ROOT, SEQ, _overrides, _run, _train
 
 N_EXAMPLES = 256
@@ -327,7 +327,7 @@ def test_deepspeed_callback_two_ranks_and_resume(tmp_path, stage):
     import subprocess
     import sys
 
-    from olmo_tda.integrations import deepspeed_pretrain as script
+    script = deepspeed_example()
     from olmo_tda.training.selection import DataOrder, SelectionLog
 
     passages = build_passages(64, 32, seed=11)
@@ -339,8 +339,8 @@ def test_deepspeed_callback_two_ranks_and_resume(tmp_path, stage):
               "--tda.selection.enabled=true", "--tda.selection.every_n=2", "--tda.selection.window=24",
               f"--tda.selection.target={tmp_path / 'target.txt'}", "--tda.selection.target_examples=6",
               "--tda.selection.proj_dim=8"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "olmo_tda.integrations.deepspeed_pretrain", str(ROOT / "configs" / "deepspeed_tiny.yaml")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(DS_EXAMPLE),
+           str(ROOT / "configs" / "deepspeed_tiny.yaml")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first_round6 = None
     for steps in (6, 8):      # the rerun resumes from step 4: round 6 is dropped and re-run

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from _warm import run_module
-from conftest import outside_slurm_env
+from conftest import DS_EXAMPLE, outside_slurm_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,10 +42,10 @@ def test_a_warm_run_reads_its_own_working_directory(tmp_path):
     working directory, the script's usage error is its exit status, and nothing the preloaded process
     printed (importing DeepSpeed warns) leaks into a run's output."""
     (tmp_path / "bad.yaml").write_text("stepz: 3\n")
-    cold = subprocess.run([sys.executable, "-m", "olmo_tda.integrations.deepspeed_pretrain", "bad.yaml"],
+    cold = subprocess.run([sys.executable, str(DS_EXAMPLE), "bad.yaml"],
                           capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path)
     for _ in range(2):
-        done = run_module("olmo_tda.integrations.deepspeed_pretrain", ["bad.yaml"], env=_env(), cwd=tmp_path,
+        done = run_module(str(DS_EXAMPLE), ["bad.yaml"], env=_env(), cwd=tmp_path,
                           timeout=120)
         assert done.returncode == cold.returncode == 2 and "unknown top-level keys ['stepz']" in done.stderr
         assert (done.stdout, done.stderr) == (cold.stdout, cold.stderr)

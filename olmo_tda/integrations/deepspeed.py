@@ -650,7 +650,7 @@ class DeepSpeedSelection:
     rank 0 decides and every rank's ``order`` gets the same rewrite; rounds persist under
     ``log_folder`` and are replayed by ``order`` on resume.
 
-    Example (see ``deepspeed_pretrain.py``)::
+    Example (see ``examples/deepspeed_pretrain.py``)::
 
         order = DataOrder(len(data), lambda epoch: permutation(seed, epoch))
         selection = DeepSpeedSelection(engine, tda.selection, order=order, fetch=tokens_of,

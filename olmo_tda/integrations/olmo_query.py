@@ -39,7 +39,14 @@ from ..methods.queries import Query, query_gradients
 from ..store import GradientStore
 from .olmo import TDA_YAML, basis_path
 
-__all__ = ["OLMoRun", "DeepSpeedRun", "open_run", "run_outputs", "saved_tda_config"]
+RUN_JSON = "run.json"
+"""What a DeepSpeed run of ``examples/deepspeed_pretrain.py`` writes beside its outputs, for queries:
+``model`` (OLMo ``ModelConfig`` fields), ``data_paths``, ``seq_len``, ``tokenizer``, ``tda`` (the
+config) and ``weights`` (the final full weights' file name)."""
+WEIGHTS_FILE = "model.safetensors"
+"""The final full weights of such a run."""
+
+__all__ = ["OLMoRun", "DeepSpeedRun", "open_run", "run_outputs", "saved_tda_config", "RUN_JSON", "WEIGHTS_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +314,7 @@ class OLMoRun:
 
 
 class DeepSpeedRun(OLMoRun):
-    """A run of the DeepSpeed example (``olmo_tda.integrations.deepspeed_pretrain``), opened for the
+    """A run of the DeepSpeed example (``examples/deepspeed_pretrain.py``), opened for the
     same queries: its ``run.json`` (model, data, tokenizer, tda), final ``model.safetensors`` and
     store. The model is wrapped like ``CausalLM`` (``olmo.`` prefix) so layer names, hence
     projectors, match the store's."""
@@ -320,8 +327,6 @@ class DeepSpeedRun(OLMoRun):
         from olmo.config import DataConfig, ModelConfig, TokenizerConfig, TrainConfig
         from olmo.model import OLMo
         from safetensors.torch import load_file
-
-        from .deepspeed_pretrain import RUN_JSON
 
         self.dir = Path(run_dir)
         meta_file = self.dir / RUN_JSON
@@ -356,8 +361,6 @@ def run_outputs(path: str | Path) -> tuple[Path, Path] | None:
     """The gradient store and trajectory folder a run directory's saved config names (an OLMo run's
     ``tda.yaml``, the DeepSpeed example's ``run.json``; also under ``path/run``, the demo's output),
     or None where ``path`` is not a run directory."""
-    from .deepspeed_pretrain import RUN_JSON
-
     for run in (Path(path), Path(path) / "run"):
         if (run / TDA_YAML).is_file():
             tda = saved_tda_config(run / TDA_YAML)
@@ -438,8 +441,6 @@ class _Prefixed(torch.nn.Module):
 def open_run(run_dir: str | Path, *, skip_damaged: bool = False) -> OLMoRun:
     """An OLMo run (``olmo-tda train``) or a DeepSpeed example run, whichever ``run_dir`` holds;
     ``skip_damaged``: answers leave out store shards whose checksums fail (see ``GradientStore.open``)."""
-    from .deepspeed_pretrain import RUN_JSON
-
     run_dir = _demo_run(Path(run_dir))
     return (DeepSpeedRun(run_dir, skip_damaged=skip_damaged) if (run_dir / RUN_JSON).is_file()
             else OLMoRun(run_dir, skip_damaged=skip_damaged))

@@ -2,9 +2,14 @@
 from the DeepSpeed config, the ordinary ``engine(batch)`` / ``engine.backward`` / ``engine.step``
 loop, checkpoints every ``save_every`` steps and automatic resume. One line attaches tda.
 
+It is an example of a user's own training script: everything olmo_tda needs from it is the one
+``attach(engine)`` line (and, for ``proj_type: eigen``, ``estimate_basis`` before the first step); the
+rest — model, data order, checkpoints, resume — is the script's. ``olmo-tda attribute RUN_DIR`` opens
+its runs (``run.json``, ``model.safetensors``: :class:`olmo_tda.integrations.olmo_query.DeepSpeedRun`).
+
 Run (one process, or under a launcher: ``launch/local_deepspeed.sh``, ``launch/slurm_deepspeed.sbatch``)::
 
-    python -m olmo_tda.integrations.deepspeed_pretrain configs/deepspeed_tiny.yaml --steps=20 \\
+    python examples/deepspeed_pretrain.py configs/deepspeed_tiny.yaml --steps=20 \\
         --deepspeed.zero_optimization.stage=3 --tda.capture.proj_dim=32
 
 Without a launcher (neither ``RANK`` nor ``WORLD_SIZE`` set) it is a process group of one, set up as
@@ -38,21 +43,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, ProjectionType, TDAConfig, to_plain
-from ..store.errors import StoreError
-from ..store.format import write_json_atomic
-from ..training.selection import DataOrder
-from . import decided_on_rank0, end_failed_rank, one_of_several_ranks, quiet_olmo_warnings, torchrun_restart_warning
-from .run_folder import Flags, Folder, Refuse, plan_start
+from olmo_tda.config import ConfigError, ProjectionType, TDAConfig, to_plain
+from olmo_tda.store.errors import StoreError
+from olmo_tda.store.format import write_json_atomic
+from olmo_tda.training.selection import DataOrder
+from olmo_tda.integrations import (decided_on_rank0, end_failed_rank, one_of_several_ranks, quiet_olmo_warnings,
+                                   torchrun_restart_warning)
+from olmo_tda.integrations.olmo_query import RUN_JSON, WEIGHTS_FILE
+from olmo_tda.integrations.run_folder import Flags, Folder, Refuse, plan_start
 
 __all__ = ["CausalLM", "load_config", "main", "train", "RUN_JSON", "WEIGHTS_FILE"]
 
-RUN_JSON = "run.json"
-"""Beside the run's outputs: model config, resolved data paths, tokenizer, tda config."""
-WEIGHTS_FILE = "model.safetensors"
-"""The final full weights, for queries."""
-
-log = logging.getLogger(__name__)
+log = logging.getLogger("deepspeed_pretrain")
 
 
 class CausalLM(nn.Module):
@@ -266,8 +268,8 @@ def _prepare_data(cfg: dict[str, Any], run_dir: Path, rank: int) -> list[str]:
         return paths
     import torch.distributed as dist
 
-    from ..demo.corpus import build_passages
-    from ..demo.data import write_memmap
+    from olmo_tda.demo.corpus import build_passages
+    from olmo_tda.demo.data import write_memmap
 
     target = run_dir / "data" / "train.npy"
     if rank == 0 and not target.exists():
@@ -324,8 +326,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     from olmo.config import ModelConfig
 
-    from .deepspeed import attach, check_selection_log, estimate_basis
-    from .olmo import basis_path
+    from olmo_tda.integrations.deepspeed import attach, check_selection_log, estimate_basis
+    from olmo_tda.integrations.olmo import basis_path
 
     run_dir = Path(cfg["run_dir"])
     try:
@@ -414,7 +416,7 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         write_json_atomic(run_dir / "config.json", {**cfg, "tda": tda.to_dict()})
         # what `olmo-tda attribute RUN` needs to open this run (DeepSpeedRun)
-        from ..demo.data import BYTE_TOKENIZER_ID
+        from olmo_tda.demo.data import BYTE_TOKENIZER_ID
 
         tokenizer = cfg.get("tokenizer") or (BYTE_TOKENIZER_ID if not (cfg.get("data") or {}).get("paths") else None)
         if tokenizer is None:
@@ -632,10 +634,10 @@ def _client_state(selection: Any, step: int, carried: dict[str, Any] | None) -> 
 
 def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData, data_order: DataOrder,
                      cfg: dict[str, Any], run_dir: Path):
-    from ..demo.corpus import ByteTokenizer
-    from ..demo.data import BYTE_TOKENIZER_ID
-    from ..training.selector import load_target, target_kind
-    from .deepspeed import DeepSpeedSelection
+    from olmo_tda.demo.corpus import ByteTokenizer
+    from olmo_tda.demo.data import BYTE_TOKENIZER_ID
+    from olmo_tda.training.selector import load_target, target_kind
+    from olmo_tda.integrations.deepspeed import DeepSpeedSelection
 
     seq_len = int(cfg["data"]["seq_len"])
     target = None
@@ -682,7 +684,7 @@ def _save_final_weights(engine: Any, path: Path, rank: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m olmo_tda.integrations.deepspeed_pretrain",
+    parser = argparse.ArgumentParser(prog="python examples/deepspeed_pretrain.py",
                                      description="Megatron-style OLMo pretraining under DeepSpeed with tda capture.")
     parser.add_argument("config", help="run YAML (see configs/deepspeed_tiny.yaml)")
     parser.add_argument("overrides", nargs="*", help="--a.b=value overrides")
@@ -704,7 +706,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(summary))
         return 0
     if one_of_several_ranks():      # reported: go, before a teardown that can wait on the other failed ranks
-        from .deepspeed import close_open_sessions
+        from olmo_tda.integrations.deepspeed import close_open_sessions
 
         close_open_sessions()       # what the exit would close (an error mid-run leaves its session open)
         end_failed_rank(status)
