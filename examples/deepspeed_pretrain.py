@@ -326,7 +326,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     from olmo.config import ModelConfig
 
-    from olmo_tda.integrations.deepspeed import attach, check_selection_log, estimate_basis
+    from olmo_tda.integrations.deepspeed import attach, estimate_basis
+    from olmo_tda.integrations.deepspeed_selection import check_selection_log
     from olmo_tda.integrations.olmo import basis_path
 
     run_dir = Path(cfg["run_dir"])
@@ -637,7 +638,7 @@ def _start_selection(engine: Any, tda: TDAConfig, session: Any, data: TokenData,
     from olmo_tda.demo.corpus import ByteTokenizer
     from olmo_tda.demo.data import BYTE_TOKENIZER_ID
     from olmo_tda.training.selector import load_target, target_kind
-    from olmo_tda.integrations.deepspeed import DeepSpeedSelection
+    from olmo_tda.integrations.deepspeed_selection import DeepSpeedSelection
 
     seq_len = int(cfg["data"]["seq_len"])
     target = None

@@ -413,7 +413,7 @@ def test_a_round_inside_the_olmo_trainer_leaves_weights_optimizer_and_rngs_untou
               {n: None if p.grad is None else p.grad.clone() for n, p in trainer.model.named_parameters()},
               random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
     metrics = {}
-    trainer._selection_round(metrics)
+    trainer.selection.round(metrics)
     after_sd = trainer.model.state_dict()
     assert all(torch.equal(after_sd[k], v) for k, v in before[0].items())
     opt = trainer.optim.state_dict()

@@ -24,7 +24,8 @@ With ``tda.selection.enabled`` the step also ends, every ``every_n`` steps, with
 rescored at the current weights, ``global_indices.npy`` is rewritten from the first unconsumed
 position on, and the loader (wrapped in :class:`RestartableLoader`) restarts there; a restore
 replays the logged rounds onto the order OLMo rebuilds (``docs/ARCHITECTURE.md``, Online data
-selection). ``tda.store.enabled: false`` runs selection without per-step capture.
+selection); all of it in :mod:`.olmo_selection`. ``tda.store.enabled: false`` runs selection without
+per-step capture.
 
 With ``tda.enabled: false`` none of this happens: no capture object, no hooks, no store, no thread;
 the methods call straight through to OLMo's.
@@ -57,12 +58,13 @@ import yaml
 
 from ..capture import GradientCapture
 from ..capture.eigenbasis import EigenBasisError, estimate_eigenbasis
-from ..config import CaptureConfig, ConfigError, ProjectionType, SelectionPolicy, TDAConfig
+from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..store import GradientStore
 from ..store.format import BASES_DIR
 from ..training.callbacks import Callback, Callbacks, StepEnd
 from ..training.metrics import MetricsLogger, capture_numbers
 from . import check_rows_continue, cut_departed_ranks, resume_state, sum_and_max_over_ranks
+from .olmo_selection import OLMoSelection, RestartableLoader
 
 try:
     from olmo.config import CheckpointType, TrainConfig
@@ -171,7 +173,7 @@ class TDATrainer(Trainer):
         self._rows_captured = 0
         self.metrics_log = None
         self.run_callbacks = Callbacks()
-        self.selector = None
+        self.selection = None
         self._carried_selection = None      # a checkpoint's selection state, kept on while selection is off
         if not self.tda.enabled:
             return
@@ -200,7 +202,7 @@ class TDATrainer(Trainer):
             self.metrics_log = MetricsLogger(tda_dir, self.tda.wandb, rank=_rank(),
                                              config={"tda": self.tda.to_dict(), "run_name": self.cfg.run_name})
             if self.tda.selection.enabled:
-                self._start_selection(tda_dir / "selection")
+                self.selection = OLMoSelection(self, tda_dir / "selection")
             if self.tda.trajectory.enabled:
                 from ..training.trajectory import Trajectory
 
@@ -225,8 +227,8 @@ class TDATrainer(Trainer):
                 self.follower.remove()
             if self.capture is not None:
                 self.capture.remove()
-            if self.selector is not None:
-                self.selector.close()
+            if self.selection is not None:
+                self.selection.close()
             try:
                 self.run_callbacks.close()
             finally:
@@ -273,166 +275,6 @@ class TDATrainer(Trainer):
             ce_loss, _, _ = self.model_forward(micro_batch, loss_reduction="sum")        # runs self.dist_model
         return ce_loss
 
-    # -- online selection ------------------------------------------------------------------------
-
-    def _start_selection(self, folder: Path) -> None:
-        """The selector, and a loader that can restart at the first unconsumed position once a
-        round has rewritten the order (OLMo's iterator reads the order file only when it starts)."""
-        from ..training.selector import OnlineSelector, load_target
-
-        data = self.cfg.data
-        masked = [key for key in ("label_mask_paths", "generate_attention_mask", "generate_doc_lengths",
-                                  "instance_filter") if getattr(data, key, None)]
-        if masked:      # a round scores the plain next-token loss of every position: not this run's loss
-            raise ConfigError(f"tda.selection does not apply data.{', data.'.join(masked)} (label or attention "
-                              "masks, document lengths, the instance filter): its scores would be of another "
-                              "loss than training's. Turn those off, or selection")
-        if data.num_workers > 0 and data.persistent_workers:
-            raise ConfigError("tda.selection needs data.persistent_workers: false (persistent workers keep "
-                              "the old data order after a round rewrites it)")
-        if data.num_workers == 0 and self.dataset.num_threads is None:
-            # OLMo's in-process prefetch threads cannot be stopped when the iterator restarts
-            self.dataset.num_threads = 0
-        sel = self.tda.selection
-        target = None
-        if sel.target:
-            target = load_target(sel.target, self.cfg.model.max_sequence_length, self._encode,
-                                 num=sel.target_examples, eos_token_id=self.cfg.model.eos_token_id,
-                                 memmap_dtype=np.dtype(getattr(data, "effective_memmap_dtype", np.uint16)),
-                                 vocab_size=self.cfg.model.embedding_size or self.cfg.model.vocab_size)
-        names, shares = self._source_table()
-        if sel.policy is SelectionPolicy.SOURCES:
-            if self.capture is None:
-                raise ConfigError("tda.selection.policy sources learns from the rows the training step captures: it "
-                                  "needs tda.store.enabled: true")
-            if names is None:
-                raise ConfigError("tda.selection.policy sources needs the data's sources: data.paths (or "
-                                  "data.datasets) with OLMo's memmap dataset")
-        ddp = hasattr(self.dist_model, "module") and not isinstance(self.dist_model, _fsdp_class())
-        self.selector = OnlineSelector(
-            sel, self.dist_model.module if ddp else self.dist_model, forward=self._logits, log_folder=folder,
-            target_tokens=target, micro_batch=self.cfg.device_train_microbatch_size, device=self.device,
-            pause=(self.capture,) if self.capture is not None else (), capture=self.capture,
-            sources=names, source_shares=shares)
-        self.train_loader = RestartableLoader(self.train_loader)
-
-    def _encode(self, text: str) -> list[int]:
-        from ..demo.data import BYTE_TOKENIZER_ID
-
-        if self.cfg.tokenizer.identifier == BYTE_TOKENIZER_ID:
-            from ..demo.corpus import ByteTokenizer
-            return ByteTokenizer().encode(text)
-        if not hasattr(self, "_tokenizer"):
-            from olmo.tokenizer import Tokenizer
-            self._tokenizer = Tokenizer.from_train_config(self.cfg)
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-    def _logits(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", enabled=self.device.type == "cuda", dtype=self.cfg.autocast_precision):
-            return model(input_ids=input_ids).logits
-
-    def _example_tokens(self, ids: np.ndarray) -> torch.Tensor:
-        return torch.stack([torch.as_tensor(self.dataset.dataset[int(i)]["input_ids"]).long() for i in ids])
-
-    def _source_table(self) -> tuple[list[str] | None, list[float] | None]:
-        """The data's sources (a ``data.datasets`` label, else the memmap file's stem; one per path, in
-        order) and their instance counts, or ``(None, None)`` when the dataset does not say."""
-        inner = self.dataset.dataset
-        offsets, metadata = getattr(inner, "offsets", None), getattr(inner, "_metadata", None)
-        if not offsets or not metadata or len(metadata) != len(offsets):
-            return None, None
-        return ([m.get("label") or Path(str(m.get("path", "?"))).stem for m in metadata],
-                [float(hi - lo) for lo, hi in offsets])
-
-    def _source_index(self, ids: np.ndarray) -> np.ndarray:
-        """``[n]`` each instance id's path index into :meth:`_source_table` (vectorized)."""
-        starts = np.array([lo for lo, _ in self.dataset.dataset.offsets])
-        return np.searchsorted(starts, np.asarray(ids, dtype=np.int64), side="right") - 1
-
-    def _sources(self, ids: np.ndarray) -> list[str] | None:
-        names, _ = self._source_table()
-        if names is None:
-            return None
-        return [names[i] for i in self._source_index(ids)]
-
-    def _selection_round(self, metrics: dict[str, float]) -> None:
-        start = int(self.global_train_examples_seen_this_epoch)
-        order = np.asarray(self.dataset.get_global_indices(), dtype=np.int64)
-        new_order, stats = self.selector.run(
-            step=self.global_step, epoch=int(self.epoch or 0), order=order, start=start, fetch=self._example_tokens,
-            lr=float(self.optim.param_groups[0]["lr"]), batch_size=self.cfg.global_train_batch_size,
-            tokens_per_batch=self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length,
-            sources=self._sources, source_index=self._source_index)
-        if new_order is None:
-            return
-        self._write_order(new_order)
-        self.dataset.start_index = start
-        self.train_loader.restart()
-        logged = {f"tda/selection_{key}": float(stats[key])
-                  for key in ("seconds", "examples_rescored", "examples_measured", "score_mean", "promoted_mean_score",
-                              "demoted_mean_score", "rank_corr_prev", "mean_loss_window") if stats.get(key) is not None}
-        for key in ("front_frac", "weight", "score"):     # per source: the front's mix, the weights and scores
-            for name, value in (stats.get(f"source_{key}" if key != "front_frac" else "source_frac_front")
-                                or {}).items():
-                logged[f"tda/selection_{key}/{name}"] = value
-        if "target_refreshed" in stats:
-            logged["tda/selection_target_refreshed"] = float(stats["target_refreshed"])
-        metrics.update(logged)      # tda/metrics.jsonl and OLMo's own logging of this step
-        import wandb
-
-        if wandb.run is not None:   # and W&B at the round's step itself: OLMo logs only every log_interval
-            hist = stats.get("score_hist") or {"counts": []}
-            if hist["counts"]:
-                logged["tda/selection_scores"] = wandb.Histogram(np_histogram=(hist["counts"], hist["edges"]))
-            wandb.log(logged, step=self.global_step)
-
-    def _write_order(self, order: np.ndarray) -> None:
-        """Write the epoch's order into OLMo's ``global_indices.npy`` (one writer per filesystem)."""
-        from olmo.torch_util import get_fs_local_rank
-
-        path = self.dataset.global_indices_file
-        if path is None:
-            raise RuntimeError("tda.selection needs OLMo's data order file (the loader's work_dir)")
-        if get_fs_local_rank() == 0:
-            mm = np.memmap(path, dtype=np.uint32, mode="r+")
-            if len(mm) != len(order):
-                raise RuntimeError(f"{path} holds {len(mm)} positions, the rewritten order {len(order)}")
-            mm[:] = order.astype(np.uint32)
-            mm.flush()
-            del mm
-        if _world_size() > 1:
-            dist.barrier()
-
-    def _rounds_up_to(self, epoch: int, step: int) -> list[dict]:
-        return [r for r in self.selector.log.rounds() if (r["epoch"], r["step"]) <= (epoch, step)]
-
-    def _check_selection_log(self, saved: dict[str, Any] | None) -> None:
-        """Refuse a resume whose checkpoint's run had applied more selection rounds by its step than
-        this run's log holds (a resume into another save_folder): its order could not be replayed,
-        and training would silently go on in the plain order."""
-        if not saved:
-            return
-        held = len(self._rounds_up_to(int(self.epoch or 0), self.global_step))
-        if held < int(saved.get("rounds", 0)):
-            raise ConfigError(f"tda.selection: the checkpoint's run had applied {saved['rounds']} selection rounds by "
-                              f"step {self.global_step} (logged in {saved.get('log')}), but this run's log "
-                              f"{self.selector.log.folder} holds {held}: the data order cannot be replayed. Resume "
-                              "in that run's save_folder, or copy its tda/selection folder here first")
-
-    def _reapply_selection(self) -> None:
-        """After a restore: forget rounds past the checkpoint and replay this epoch's rounds onto the
-        order OLMo rebuilt from its seed, so the resumed run trains on the rewritten order."""
-        epoch, step = int(self.epoch or 0), int(self.global_step)
-        dropped = self.selector.log.truncate_after(epoch, step)
-        if _world_size() > 1:
-            dist.barrier()          # rank 0 truncated before anyone replays
-        base = self.dataset._build_global_indices()
-        order, applied = self.selector.log.replay(base, epoch, step)
-        if applied:
-            self._write_order(order)
-        log.info("tda: selection resumed at epoch %d step %d: %d rounds replayed, %d later rounds dropped",
-                 epoch, step, applied, dropped)
-
     # -- the step --------------------------------------------------------------------------------
 
     def train_batch(self, batch: dict[str, Any]):
@@ -463,8 +305,8 @@ class TDATrainer(Trainer):
         # (cur_train_loss, early stopping) is what OLMo made it
         losses = [k for k in _LOSS_KEYS if k in metrics] if self.tda.enabled and not reduce_global_loss else []
         self._sum_over_ranks(metrics, losses, sums, maxima)
-        if self.selector is not None and self.selector.due(self.global_step):
-            self._selection_round(metrics)
+        if self.selection is not None and self.selection.selector.due(self.global_step):
+            self.selection.round(metrics)
         if self.tda.enabled:
             ids = np.asarray(batch["index"].cpu() if "index" in batch else [], dtype=np.int64)
             self.run_callbacks.step_end(StepEnd(step=self.global_step, model=self.dist_model, ids=ids, record=record,
@@ -490,8 +332,8 @@ class TDATrainer(Trainer):
             record = self._record.to_record(step=self.global_step, lr=lr)
             record.loss_scale = record.loss_scale * _world_size()
             self.store.append(record)
-            if self.selector is not None:       # the sources policy learns from these very rows
-                self.selector.observe(self._record)
+            if self.selection is not None:      # the sources policy learns from these very rows
+                self.selection.selector.observe(self._record)
             self._record = None
             append_ms = 1e3 * (time.perf_counter() - t1)
         if self.follower is not None:   # after the append: this step's rows are the old version's
@@ -563,12 +405,8 @@ class TDATrainer(Trainer):
             state["tda_trajectory"] = self.trajectory.state_dict()
         if self.follower is not None:       # the basis versions in force up to this step
             state["tda_basis"] = self.follower.state_dict()
-        if self.selector is not None:       # what a resume's log must hold to replay this step's order
-            state["tda_selection"] = {"log": str(self.selector.log.folder.resolve()),
-                                      "rounds": len(self._rounds_up_to(int(self.epoch or 0), self.global_step))}
-            if self.selector.mixer is not None:     # the sources policy's running sums and target
-                self.selector.sync(self._source_index)       # collective: every rank saves alike
-                state["tda_selection"]["mixer"] = self.selector.mixer.state_dict()
+        if self.selection is not None:      # what a resume's log must hold to replay this step's order
+            state["tda_selection"] = self.selection.state_dict()
         elif self._carried_selection:       # switched off: switching it back on is still checked against them
             state["tda_selection"] = dict(self._carried_selection)
         return _weights_only_safe(state)
@@ -591,20 +429,11 @@ class TDATrainer(Trainer):
             check_rows_continue(self.store, saved, self.global_step)
         # restore_dataloader: false: OLMo restarts the step count and the data at 0 (the weights only, to
         # train on): a new timeline, as a fresh run's. No selection round of the checkpoint's run applies
-        # (_reapply_selection cuts this run's log to none), the trajectory starts at its first save
+        # (OLMoSelection.reapply cuts this run's log to none), the trajectory starts at its first save
         # (dropping any step-0 checkpoint of another timeline), and the row count starts at 0
         new_timeline = not self.cfg.restore_dataloader
-        if self.selector is not None and not new_timeline:
-            self._check_selection_log(state_dict.get("tda_selection"))
-            mixer_state = (state_dict.get("tda_selection") or {}).get("mixer")
-            if self.selector.mixer is not None and mixer_state is not None:
-                try:
-                    self.selector.mixer.load_state_dict(mixer_state)
-                except ValueError as e:
-                    raise ConfigError(f"tda.selection: {e}") from None
-            elif self.selector.mixer is not None and (state_dict.get("tda_selection") or {}).get("rounds"):
-                log.warning("tda: the checkpoint holds no source weights (another policy's run): the sources "
-                            "policy starts learning them afresh at step %d", self.global_step)
+        if self.selection is not None and not new_timeline:
+            self.selection.load_state_dict(state_dict.get("tda_selection"))
         elif not new_timeline and (state_dict.get("tda_selection") or {}).get("rounds"):
             self._carried_selection = dict(state_dict["tda_selection"])
             log.warning("tda: the checkpoint's run had applied %d selection rounds by step %d, and tda.selection is "
@@ -616,8 +445,8 @@ class TDATrainer(Trainer):
             self.metrics_log.cut_after(self.global_step)
         if not new_timeline:                # the run's own callbacks, as they were at the checkpoint
             self.run_callbacks.load_gathered(state_dict.get("tda_callbacks"), _rank())
-        if self.selector is not None:
-            self._reapply_selection()
+        if self.selection is not None:
+            self.selection.reapply()
         if self.store is None:
             return
         self._rows_captured = 0 if new_timeline else int((saved or {}).get("rows_captured", 0))   # goes on from it
@@ -686,42 +515,3 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _fsdp_class():
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
-
-
-class RestartableLoader:
-    """OLMo's train loader, restartable mid-epoch: after :meth:`restart` the next batch comes from a
-    fresh iterator (which rereads the order file and ``dataset.start_index``); the old iterator and
-    whatever it had prefetched are dropped. Everything else is the wrapped loader's."""
-
-    def __init__(self, loader):
-        self.loader = loader
-        self._restart = False
-
-    def restart(self) -> None:
-        self._restart = True
-
-    def __iter__(self):
-        self._restart = False
-        it = iter(self.loader)
-        while True:
-            if self._restart:
-                self._restart = False
-                del it
-                it = iter(self.loader)
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            yield batch
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)
