@@ -431,6 +431,7 @@ class SelectionConfig:
     data order at the current weights and rewrite that upcoming part of the order."""
 
     enabled: bool = False
+    """Run selection rounds (OLMo runs: ``olmo-tda train``; DeepSpeed: :class:`DeepSpeedSelection`)."""
     every_n: int = 50
     """Optimizer steps between rounds (a round runs after step every_n, 2·every_n, ...)."""
     start_step: int = 0
@@ -551,6 +552,7 @@ class WandbConfig:
     enabled: bool = False
     """Start a W&B run (on rank 0) when none is running, and log every step's ``tda/*`` metrics to it."""
     project: str = "olmo-tda"
+    """The W&B project of a run this section starts."""
     name: str | None = None
     """The W&B run's name; by default W&B makes one up."""
     mode: WandbMode = WandbMode.OFFLINE
