@@ -176,3 +176,20 @@ def test_deepspeed_zero2_two_ranks_same_wandb_keys_and_callback_survives_sigkill
         assert final["steps"] == 4 and final["rows"] == 4 * per_rank, final
     row_bytes = 4 * _floats_per_example(run / "tda" / "store")
     _check_wandb_against_metrics(run / "tda", 4, 2 * per_rank, row_bytes)
+
+
+def test_a_callback_state_a_checkpoint_cannot_read_back_is_refused_at_save_naming_it():
+    import torch
+
+    class Bad(Counter):
+        def state_dict(self):
+            return {"seen": self.seen, "hist": {"a": [np.zeros(2)]}}
+
+    good = Callbacks([Counter()])
+    good.callbacks[0].seen = 2
+    assert good.state_dict() == {"Counter": {"seen": 2}}
+    ok = Callbacks([Counter()])
+    ok.callbacks[0].state_dict = lambda: {"t": torch.ones(2), "nested": [1, 2.5, "x", None, {"k": True}]}
+    assert torch.equal(ok.state_dict()["Counter"]["t"], torch.ones(2))
+    with pytest.raises(ConfigError, match=r"Bad.state_dict\(\)\['hist'\]\['a'\]\[0\] holds a numpy.ndarray"):
+        Callbacks([Bad()]).state_dict()

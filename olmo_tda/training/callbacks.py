@@ -116,7 +116,12 @@ class Callbacks:
             cb.on_step_end(event)
 
     def state_dict(self) -> dict[str, Any]:
-        return {key: cb.state_dict() for key, cb in zip(self.keys, self.callbacks)}
+        """Every callback's state, checked to be what a checkpoint can hold and a resume can read back
+        without pickle (``torch.load(weights_only=True)``): plain types, lists, dicts, tensors."""
+        states = {key: cb.state_dict() for key, cb in zip(self.keys, self.callbacks)}
+        for key, state in states.items():
+            _check_plain(state, f"{key}.state_dict()")
+        return states
 
     def load_state_dict(self, states: Mapping[str, Any] | None) -> None:
         """Give each callback its saved state. A callback the checkpoint has no state for starts afresh
@@ -166,6 +171,27 @@ class Callbacks:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def _check_plain(value: Any, where: str) -> None:
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, (str, int)):
+                raise ConfigError(f"tda.callbacks: {where} has a key {k!r} of type {type(k).__name__}: use str or "
+                                  "int keys")
+            _check_plain(item, f"{where}[{k!r}]")
+        return
+    raise ConfigError(f"tda.callbacks: {where} holds a {type(value).__module__}.{type(value).__name__}; a checkpoint "
+                      "keeps plain types (None, bool, int, float, str), lists, dicts and torch tensors only "
+                      "(it is read back without pickle): convert it, e.g. a numpy array with torch.from_numpy")
 
 
 def load_callback(spec: str) -> Callback:
