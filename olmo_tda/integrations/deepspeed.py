@@ -114,6 +114,25 @@ def attach(engine: Any, config: TDAConfig | Mapping | str | Path | None = None, 
                         callbacks=callbacks)
 
 
+def _refuse_start(engine: Any, config: TDAConfig, capture: GradientCapture | None) -> None:
+    """Refuse, before anything is opened, an engine already wrapped, a store without a path, or an
+    eigen projection without its basis file."""
+    wrapped = [name for name in _WRAPPED if name in engine.__dict__]
+    if wrapped:         # another session's (or the user's) instance methods: ours would bypass them
+        raise ConfigError(f"attach: engine.{', engine.'.join(wrapped)} are already replaced on this engine (an "
+                          "earlier attach() still attached?): close() that session first")
+    if config.store.path is None:
+        raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
+                          "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
+    eigen = config.capture.proj_type is ProjectionType.EIGEN and not config.capture.exact
+    if capture is None and eigen and not (config.capture.basis and Path(config.capture.basis).is_file()):
+        what = f"{config.capture.basis} does not exist: estimate it" if config.capture.basis else \
+            "none is set: set tda.capture.basis to a path, then estimate the file"
+        raise ConfigError(f"tda.capture.basis: proj_type 'eigen' projects onto an eigenbasis file, and {what} on "
+                          "every rank, before the first step, with "
+                          "olmo_tda.integrations.deepspeed.estimate_basis(engine, batches, loss_fn, config)")
+
+
 def _refuse_pipeline(engine: Any) -> None:
     """A pipeline-parallel engine steps inside ``train_batch`` without calling ``engine.step``, so
     nothing would ever be committed (and every forward's record would pile up): refused, not silent."""
@@ -232,32 +251,43 @@ class DeepSpeedTDA:
         self.metrics_log: MetricsLogger | None = None
         self._run_rows = 0          # the run's rows so far, all ranks, through resumes
         self._step_clock = 0.0
+        self.follower = self.trajectory = None
+        self._tokens_seen = 0
         if not config.enabled:
             return
         if not config.store.enabled:        # e.g. a run that only selects data: no capture session
             if config.trajectory.enabled:
                 log.warning("tda.trajectory is kept by the capture session, which tda.store.enabled: false turns off")
             return
-        wrapped = [name for name in _WRAPPED if name in engine.__dict__]
-        if wrapped:         # another session's (or the user's) instance methods: ours would bypass them
-            raise ConfigError(f"attach: engine.{', engine.'.join(wrapped)} are already replaced on this engine (an "
-                              "earlier attach() still attached?): close() that session first")
-        if config.store.path is None:
-            raise ConfigError("tda.store.path: a DeepSpeed run has no save folder to default to; set the "
-                              "store directory (e.g. \"tda\": {\"store\": {\"path\": \"runs/x/tda/store\"}})")
-        eigen = config.capture.proj_type is ProjectionType.EIGEN and not config.capture.exact
-        if capture is None and eigen and not (config.capture.basis and Path(config.capture.basis).is_file()):
-            what = f"{config.capture.basis} does not exist: estimate it" if config.capture.basis else \
-                "none is set: set tda.capture.basis to a path, then estimate the file"
-            raise ConfigError(f"tda.capture.basis: proj_type 'eigen' projects onto an eigenbasis file, and {what} on "
-                              "every rank, before the first step, with "
-                              "olmo_tda.integrations.deepspeed.estimate_basis(engine, batches, loss_fn, config)")
+        _refuse_start(engine, config, capture)
         self.capture = capture if capture is not None else GradientCapture(engine.module, config.capture)
+        try:
+            self._open_outputs(config)
+            self.run_callbacks = Callbacks([*config.callbacks, *callbacks])
+            self.metrics_log = MetricsLogger(Path(config.store.path).parent, config.wandb, rank=_rank(),
+                                             config={"tda": config.to_dict()})
+            self._handles.append(engine.module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+            for name in _WRAPPED:
+                if hasattr(type(engine), name):      # `scale` (manual backward) is DeepSpeed >= 0.18
+                    setattr(engine, name, getattr(self, f"_{name}"))
+        except BaseException:       # a refusal while starting: nothing opened stays open (the store's lock)
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the refusal is the error to report
+                log.exception("tda: closing what was opened before the error below failed")
+            raise
+        self._step_clock = time.perf_counter()
+        self._atexit = partial(_close_at_exit, weakref.WeakMethod(self.close))
+        atexit.register(self._atexit)
+        _OPEN_SESSIONS.add(self)
+
+    def _open_outputs(self, config: TDAConfig) -> None:
+        """This rank's store, the following basis (``capture.basis_every``) and the trajectory."""
+        engine = self.engine
         meta = self.capture.store_metadata() | {"extra": {"framework": "deepspeed",
                                                           "zero_stage": int(engine.zero_optimization_stage()),
                                                           "gradient_accumulation_steps": self._gas()}}
         self.store = GradientStore.create(Path(config.store.path), meta, config.store, rank=_rank())
-        self.follower = None
         if self.capture.basis is not None:      # capture.basis_every: the basis follows the run
             from ..capture.following import BasisFollower
 
@@ -266,31 +296,12 @@ class DeepSpeedTDA:
                                           distributed=_world_size() > 1,
                                           barrier=dist.barrier if _world_size() > 1 else None)
             self.follower.start(1)      # a resume replaces the history with its checkpoint's
-        self.trajectory = None
-        self._tokens_seen = 0
         if config.trajectory.enabled:
             from ..training.trajectory import Trajectory
 
             self.trajectory = Trajectory(config.trajectory,
                                          config.trajectory.path or default_trajectory_path(config.store.path),
                                          projector_hash=self.capture.projector_hash, rank=_rank())
-        try:
-            self.run_callbacks = Callbacks([*config.callbacks, *callbacks])
-            self.metrics_log = MetricsLogger(Path(config.store.path).parent, config.wandb, rank=_rank(),
-                                             config={"tda": config.to_dict()})
-            self._handles.append(engine.module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
-            for name in _WRAPPED:
-                if hasattr(type(engine), name):      # `scale` (manual backward) is DeepSpeed >= 0.18
-                    setattr(engine, name, getattr(self, f"_{name}"))
-        except BaseException:
-            self.remove()
-            if self.metrics_log is not None:
-                self.metrics_log.close()
-            raise
-        self._step_clock = time.perf_counter()
-        self._atexit = partial(_close_at_exit, weakref.WeakMethod(self.close))
-        atexit.register(self._atexit)
-        _OPEN_SESSIONS.add(self)
 
     # -- per micro-batch ---------------------------------------------------------------------------
 
