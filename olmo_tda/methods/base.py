@@ -305,6 +305,24 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
     if isinstance(store, (str, Path)):
         from ..store import GradientStore
         store = GradientStore.open(store)
+    by_basis, chosen = _checked_queries(store, queries, layers, projector_hash, projector_specs)
+    states = {}
+    for digest, version_queries in by_basis.items():
+        # one method per version: a curvature fitted on one version's rows is not another's
+        algo = (get_method(method, **method_options) if isinstance(method, str)
+                else method if len(by_basis) == 1 else copy.deepcopy(method))
+        if hasattr(algo, "fit"):        # methods that need the training rows first (influence: the Fisher)
+            algo.fit(store if digest is None else _BasisView(store, digest), chosen, block_size=block_size)
+        states[digest] = (algo, algo.prepare({n: version_queries[n] for n in chosen}))
+    num_q = next(iter(next(iter(by_basis.values())).values())).shape[0]
+    return _stream(store, states, chosen, num_q, top_k=top_k, block_size=block_size, return_scores=return_scores,
+                   grouping=grouping)
+
+
+def _checked_queries(store: Any, queries: Any, layers: Iterable[str] | None, projector_hash: str | None,
+                     projector_specs: dict[str, Any] | None) -> tuple[dict[Any, dict[str, torch.Tensor]], list[str]]:
+    """``({basis digest or None: {layer: [Q, Ko, Ki]}}, the layers to score)``, the queries checked
+    against the store: projectors, eigenbasis versions, layers, shapes, finite values."""
     by_basis = _per_basis(store, queries)
     queries = next(iter(by_basis.values()))
     projector_hash = getattr(queries, "projector_hash", projector_hash)
@@ -330,8 +348,7 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
         raise AttributionError(f"layers {missing or chosen} are not in both the store ({len(store.layers)} layers) "
                                f"and the queries ({sorted(queries)[:5]}...)")
     shapes = getattr(store, "layer_shapes", None)
-    states = {}
-    for digest, version_queries in by_basis.items():
+    for version_queries in by_basis.values():
         for name in chosen:
             want = tuple(shapes[name]) if shapes else None
             if want is not None and tuple(version_queries[name].shape[1:]) != want:
@@ -339,14 +356,14 @@ def attribute(store: Any, queries: Any, *, method: str | AttributionMethod = "gr
                                        f"the store holds {want}: were the queries captured with the store's capture "
                                        "config?")
         _check_queries(version_queries, chosen)
-        # one method per version: a curvature fitted on one version's rows is not another's
-        algo = (get_method(method, **method_options) if isinstance(method, str)
-                else method if len(by_basis) == 1 else copy.deepcopy(method))
-        if hasattr(algo, "fit"):        # methods that need the training rows first (influence: the Fisher)
-            algo.fit(store if digest is None else _BasisView(store, digest), chosen, block_size=block_size)
-        states[digest] = (algo, algo.prepare({n: version_queries[n] for n in chosen}))
-    num_q = next(iter(queries.values())).shape[0]
+    return by_basis, chosen
 
+
+def _stream(store: Any, states: dict[Any, tuple[Any, Any]], chosen: list[str], num_q: int, *, top_k: int,
+            block_size: int | None, return_scores: bool, grouping: "Grouping | None") -> AttributionResult:
+    """One pass over the store's blocks: each block scored by its eigenbasis version's method and
+    state, the top ``top_k`` rows (or groups) per query kept as it goes."""
+    algo = list(states.values())[-1][0]      # the last version's, as the loop below leaves it
     best_scores = torch.full((num_q, 0), -torch.inf, dtype=torch.float64)
     best_ids = np.zeros((num_q, 0), dtype=np.int64)
     best_steps = np.zeros((num_q, 0), dtype=np.int64)
