@@ -412,6 +412,8 @@ def _train(cfg: dict[str, Any]) -> dict[str, Any]:
                               "start over")
         log.warning("run_dir: %s: %s (the %d rows stored in %s are dropped)", run_dir, plan.why, rows, path)
         session.start_over()
+    elif session.metrics_log is not None:       # an attempt that stored no row may have logged steps
+        session.metrics_log.cut_after(0)
     # Written once the run has started or resumed: a refused resume leaves the files of the run it
     # refused to continue as they were.
     if rank == 0:

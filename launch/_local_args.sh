@@ -9,7 +9,7 @@ die() {
 }
 
 usage() {
-    sed -n '2,/^# See launch/s/^# \{0,1\}//p' "$0"
+    sed -n '2,/^# See docs/s/^# \{0,1\}//p' "$0"
 }
 
 if [[ $# -lt 1 ]]; then

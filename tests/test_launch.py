@@ -59,6 +59,8 @@ def fake(tmp_path):
         _write_exe(bin_dir / name, FAKE_RECORDER.replace("{name}", name))
     config = tmp_path / "run.yaml"
     config.write_text("run_name: test\n")
+    (tmp_path / "examples").mkdir()          # the DeepSpeed example trainer, in the submit directory
+    (tmp_path / "examples" / "deepspeed_pretrain.py").write_text("")
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(log_dir)}
 
     def argv(name):
@@ -451,6 +453,8 @@ def test_deepspeed_scripts_help_names_the_example_config(script):
     proc = run(script, ["--help"], {"PATH": os.environ["PATH"]})
     assert proc.returncode == 0, proc.stderr
     assert "configs/deepspeed_tiny.yaml" in proc.stdout and "DRY_RUN" in proc.stdout
+    # the usage comment only: it ends at its pointer to the docs, before the #SBATCH lines and the code
+    assert proc.stdout.rstrip().endswith("See docs/LAUNCH.md.") and "SBATCH" not in proc.stdout, proc.stdout
 
 
 def test_slurm_deepspeed_dry_run_renders_hostfile_and_per_node_launch(fake):
@@ -538,7 +542,8 @@ def test_slurm_deepspeed_defaults_config_and_gpus(fake):
     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port number"),
     ({"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE=0 is not a positive number"),
     ({"DRY_RUN": "yes"}, "DRY_RUN must be 0 or 1"),
-], ids=["missing-config", "no-default-config", "node-count", "no-job", "port", "gpus", "dry-run-value"])
+    ({"EXAMPLE": "/nowhere/train.py"}, "no training script at /nowhere/train.py: submit from the olmo_tda checkout"),
+], ids=["missing-config", "no-default-config", "node-count", "no-job", "port", "gpus", "dry-run-value", "no-script"])
 def test_slurm_deepspeed_bad_settings_are_clear_errors(fake, env_extra, message):
     proc = run(DS_SBATCH, [], slurm_env(fake, **env_extra), cwd=fake.tmp)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -680,7 +685,6 @@ def test_slurm_deepspeed_command_forms_a_two_node_world_on_cpu(fake):
     import json
 
     _write_exe(fake.bin / "srun", FAKE_SRUN_DS)
-    (fake.tmp / "examples").mkdir()
     (fake.tmp / "examples" / "deepspeed_pretrain.py").write_text(FAKE_DS_PRETRAIN)     # in the submit directory
     deepspeed = Path(sysconfig.get_path("scripts")) / "deepspeed"
     env = slurm_env(fake, SLURM_GPUS_ON_NODE="2", SLURM_CPUS_PER_TASK="2", MASTER_ADDR="127.0.0.1",

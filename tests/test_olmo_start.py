@@ -370,3 +370,35 @@ def test_an_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path):
     for name in block.grads:
         got, ref = torch.as_tensor(block.grads[name]), torch.as_tensor(uninterrupted.grads[name][rows])
         assert ((got - ref).norm() / ref.norm()).item() < 1e-5, name
+
+
+def test_starting_over_a_stopped_run_never_removes_another_runs_store_nor_a_live_one(tmp_path):
+    """A run stopped before its first checkpoint is started over by any start, but without
+    save_overwrite only what lies in its folder goes: a store elsewhere that its tda.yaml names (a
+    continued run writing into its base run's store) is refused, not removed. And a store whose writer
+    lock a live process holds is never removed, with or without save_overwrite."""
+    base_store = _store(tmp_path / "base" / "tda" / "store")
+    run = _old_run(tmp_path / "run", tda={"store": {"path": str(base_store)}})
+    saved = yaml.safe_load((run / "tda.yaml").read_text())
+    saved["store_id"] = GradientStore.open(base_store).meta["store_id"]
+    (run / "tda.yaml").write_text(yaml.safe_dump(saved))
+    for name in ("step0", "step2", "step2-unsharded", "latest"):
+        olmo_train._remove(run / name)
+    with pytest.raises(ConfigError, match="outside the folder .* pass --save_overwrite"):
+        olmo_train._choose_start(_cfg(run, try_load_latest_save=True, save_overwrite=False), TDAConfig())
+    assert GradientStore.open(base_store).num_rows == 2
+
+    live = _old_run(tmp_path / "live")
+    for name in ("step0", "step2", "step2-unsharded", "latest"):
+        olmo_train._remove(live / name)
+    writer = GradientStore.create(live / "tda" / "store", {"capture": {}, "projector_hash": "h", "layers": [
+        {"name": "a", "shape": [2, 2], "projector": {}}]}, StoreConfig())     # a live writer holds rank 0's lock
+    try:
+        for overwrite in (False, True):
+            with pytest.raises(ConfigError, match="being written by a running process"):
+                olmo_train._choose_start(_cfg(live, save_overwrite=overwrite), TDAConfig())
+        assert GradientStore.open(live / "tda" / "store").num_rows == 2
+    finally:
+        writer.close()
+    olmo_train._choose_start(_cfg(live, save_overwrite=False), TDAConfig())     # closed: started over
+    assert not (live / "tda" / "store").exists()

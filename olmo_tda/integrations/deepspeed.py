@@ -78,7 +78,7 @@ def close_open_sessions() -> None:
     rank about to end with ``os._exit`` (:func:`olmo_tda.integrations.end_failed_rank`), which skips it."""
     for session in list(_OPEN_SESSIONS):
         try:
-            session.close()
+            session.close(exit_code=1)
         except Exception:  # noqa: BLE001 - the failure being reported is the error that matters
             log.exception("tda: closing the session of a failed rank failed")
 
@@ -258,14 +258,21 @@ class DeepSpeedTDA:
         if not config.store.enabled:        # e.g. a run that only selects data: no capture session
             if config.trajectory.enabled:
                 log.warning("tda.trajectory is kept by the capture session, which tda.store.enabled: false turns off")
+            if config.callbacks or list(callbacks):
+                raise ConfigError("tda.callbacks: under DeepSpeed the callbacks run in the capture session, which "
+                                  "tda.store.enabled: false turns off; turn the store on, or call yours after "
+                                  "engine.step()")
             return
         _refuse_start(engine, config, capture)
         self.capture = capture if capture is not None else GradientCapture(engine.module, config.capture)
         try:
             self._open_outputs(config)
             self.run_callbacks = Callbacks([*config.callbacks, *callbacks])
+            # DeepSpeed's own W&B monitor logs the tda/* events at its samples step (below): a second
+            # writer at the optimizer step would be behind W&B's step and dropped
+            monitor_wandb = getattr(getattr(engine, "monitor", None), "wandb_monitor", None) is not None
             self.metrics_log = MetricsLogger(Path(config.store.path).parent, config.wandb, rank=_rank(),
-                                             config={"tda": config.to_dict()})
+                                             config={"tda": config.to_dict()}, wandb=not monitor_wandb)
             self._handles.append(engine.module.register_forward_pre_hook(self._on_forward, with_kwargs=True))
             for name in _WRAPPED:
                 if hasattr(type(engine), name):      # `scale` (manual backward) is DeepSpeed >= 0.18
@@ -608,17 +615,20 @@ class DeepSpeedTDA:
         if self.capture is not None and self._owns_capture:
             self.capture.remove()
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         """Flush and close the store, then :meth:`remove`. Idempotent; also runs at interpreter exit.
-        Micro-batches of an unfinished accumulation window are not recorded."""
+        Micro-batches of an unfinished accumulation window are not recorded. ``exit_code``: the run's,
+        for a W&B run the session started."""
         try:
             if self.store is not None:
                 self.store.close()
-            self.run_callbacks.close()
         finally:
-            if self.metrics_log is not None:
-                self.metrics_log.close()
-            self.remove()
+            try:
+                self.run_callbacks.close()
+            finally:
+                if self.metrics_log is not None:
+                    self.metrics_log.close(exit_code)
+                self.remove()
             if getattr(self, "_atexit", None) is not None:
                 atexit.unregister(self._atexit)
                 self._atexit = None

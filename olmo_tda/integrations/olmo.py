@@ -40,6 +40,7 @@ Example (what ``olmo-tda train run.yaml --tda.capture.proj_dim=32`` does)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -175,13 +176,15 @@ class TDATrainer(Trainer):
         self.run_callbacks = Callbacks()
         self.selection = None
         self._carried_selection = None      # a checkpoint's selection state, kept on while selection is off
+        given = [c for c in self.step_callbacks if isinstance(c, Callback)]
+        self.step_callbacks = [c for c in self.step_callbacks if not isinstance(c, Callback)]
         if not self.tda.enabled:
+            if given:
+                log.warning("tda: tda.enabled is false, so the callbacks %s do not run", given)
             return
         tda_dir = Path(self.cfg.save_folder) / "tda"
         try:
-            self.run_callbacks = Callbacks([*self.tda.callbacks,
-                                            *(c for c in self.step_callbacks if isinstance(c, Callback))])
-            self.step_callbacks = [c for c in self.step_callbacks if not isinstance(c, Callback)]
+            self.run_callbacks = Callbacks([*self.tda.callbacks, *given])
             if self.tda.store.enabled:
                 self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
                 store_path = Path(self.tda.store.path or tda_dir / "store")
@@ -216,24 +219,21 @@ class TDATrainer(Trainer):
                 log.exception("tda: releasing what was opened before the error below failed")
             raise
 
-    def _release_tda(self) -> None:
-        """Close the store (its last window written), remove the hooks, close the selector and the
-        metrics file: whatever of them was opened."""
-        try:
-            if self.store is not None:
-                self.store.close()
-        finally:
-            if self.follower is not None:
-                self.follower.remove()
-            if self.capture is not None:
-                self.capture.remove()
+    def _release_tda(self, exit_code: int = 0) -> None:
+        """Close the store (its last window written), remove the hooks, close the selector, the
+        callbacks and the metrics log: whatever of them was opened, each even if another fails."""
+        with contextlib.ExitStack() as stack:       # closed last to first: the store first
+            if self.metrics_log is not None:
+                stack.callback(self.metrics_log.close, exit_code)
+            stack.callback(self.run_callbacks.close)
             if self.selection is not None:
-                self.selection.close()
-            try:
-                self.run_callbacks.close()
-            finally:
-                if self.metrics_log is not None:
-                    self.metrics_log.close()
+                stack.callback(self.selection.close)
+            if self.capture is not None:
+                stack.callback(self.capture.remove)
+            if self.follower is not None:
+                stack.callback(self.follower.remove)
+            if self.store is not None:
+                stack.callback(self.store.close)
 
     def _with_basis(self, capture: CaptureConfig) -> CaptureConfig:
         """``capture`` with ``basis`` set to the run's eigenbasis file, estimated first if missing."""
@@ -301,7 +301,7 @@ class TDATrainer(Trainer):
             self._keep_trajectory(self.global_step)
         record, sums, maxima = self._store_step(metrics, t0)
         # tda/metrics.jsonl keeps every step's loss: OLMo averages it over the ranks only on the steps
-        # it logs, and rank 0's own loss is not the run's. Averaged here on a copy, so OLMo's own state
+        # it logs, and rank 0's own loss is not the run's. Averaged here in the returned metrics, so OLMo's own state
         # (cur_train_loss, early stopping) is what OLMo made it
         losses = [k for k in _LOSS_KEYS if k in metrics] if self.tda.enabled and not reduce_global_loss else []
         self._sum_over_ranks(metrics, losses, sums, maxima)
@@ -470,7 +470,7 @@ class TDATrainer(Trainer):
         import wandb
 
         try:        # the store's last window is written whatever W&B does
-            self._release_tda()
+            self._release_tda(exit_code)
         finally:
             if wandb.run is not None:   # OLMo 0.6.0 calls finish(quiet=True), which wandb >= 0.19 rejects
                 wandb.finish(exit_code=exit_code)

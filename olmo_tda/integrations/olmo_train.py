@@ -403,7 +403,9 @@ def _check_and_clear(cfg, tda_cfg: TDAConfig, folder: Path) -> bool:
         return plan.continues
     if plan.clear:
         log.warning("%s: %s", folder, plan.why)
-        _clear_old_run(folder, load)
+        # without save_overwrite (a run stopped before its first checkpoint), only what lies in the
+        # save folder is removed: a store elsewhere may be another run's (a continued one's)
+        _clear_old_run(folder, load, only_inside=not cfg.save_overwrite)
     for path, kind in ((Path(tda_cfg.store.path or folder / "tda" / "store"), "store"),
                        (Path(tda_cfg.trajectory.path or folder / "tda" / "trajectory"), "trajectory")):
         if _holds(path, kind, rows=True):
@@ -438,8 +440,10 @@ def _checkpoint_steps(folder: Path) -> tuple[int, ...]:
     return tuple(sorted({_checkpoint_step(p) for p in folder.iterdir() if _CHECKPOINT.match(p.name)}))
 
 
-def _clear_old_run(folder: Path, load: Path | None) -> None:
-    """Remove the old run's checkpoints and TDA outputs (never anything holding the folder or ``load``)."""
+def _clear_old_run(folder: Path, load: Path | None, *, only_inside: bool = False) -> None:
+    """Remove the old run's checkpoints and TDA outputs: never anything holding the folder or ``load``,
+    nor a store a live process is writing; ``only_inside``: refuse, rather than remove, an output
+    outside the folder."""
     checkpoints = [p for p in folder.iterdir() if _CHECKPOINT.match(p.name) or p.name in _LATEST]
     stale = checkpoints + _old_tda_outputs(folder)
     for path in stale:
@@ -449,6 +453,13 @@ def _clear_old_run(folder: Path, load: Path | None) -> None:
             if keep is not None and _inside(keep, path):
                 raise ConfigError(f"{path} (of the old run in {folder}) contains {what} {keep}: refusing to "
                                   "remove it; point the old run's TDA paths elsewhere or clear it yourself")
+        if only_inside and not _inside(path, folder):
+            raise ConfigError(f"{folder}: its run stopped before its first checkpoint, and starting it over would "
+                              f"remove {path}, outside the folder (another run's store?): pass --save_overwrite "
+                              "to remove it, or point tda paths elsewhere")
+        if _store_in_use(path):
+            raise ConfigError(f"{path} (of the old run in {folder}) is being written by a running process (its "
+                              "writer lock is held): stop that run first, or use another save_folder")
     if stale:
         log.warning("a fresh start over the old run: removing its %s", ", ".join(map(str, stale)))
     for path in stale:
@@ -535,6 +546,30 @@ def _old_tda_outputs(folder: Path) -> list[Path]:
     if not old.capture.basis and (tda / BASIS_FILE).is_file():
         out.append(tda / BASIS_FILE)
     return out
+
+
+def _store_in_use(path: Path) -> bool:
+    """Whether a live process holds one of the store's writer locks (``locks/r*.lock``; where the
+    filesystem has no flock, nothing can tell, and the answer is no)."""
+    import fcntl
+
+    from ..store.format import LOCK_DIR
+
+    for lock_file in (path / LOCK_DIR).glob("r*.lock") if (path / LOCK_DIR).is_dir() else ():
+        try:
+            fd = os.open(lock_file, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return True
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return False
 
 
 def _store_id(path: Path) -> str | None:

@@ -68,7 +68,8 @@ class StepEnd:
     """``[n]`` this rank's global example ids of the step."""
     record: Any
     """The :class:`~olmo_tda.store.GradientRecord` captured for ``ids`` (as stored: projected rows,
-    ``loss_scale`` and ``lr``), or ``None`` when ``tda.store.enabled`` is false."""
+    ``loss_scale`` and ``lr``), or ``None`` when ``tda.store.enabled`` is false. Read-only: the store
+    writes these very tensors in the background; copy before changing them."""
     metrics: dict[str, float]
     """The step's metrics, run-wide; a callback may add its own keys (``tda/...`` by convention)."""
     rank: int = 0
@@ -121,7 +122,7 @@ class Callbacks:
         states = {key: cb.state_dict() for key, cb in zip(self.keys, self.callbacks)}
         for key, state in states.items():
             _check_plain(state, f"{key}.state_dict()")
-        return states
+        return _on_cpu(states)
 
     def load_state_dict(self, states: Mapping[str, Any] | None) -> None:
         """Give each callback its saved state. A callback the checkpoint has no state for starts afresh
@@ -140,12 +141,18 @@ class Callbacks:
         the list: OLMo's unsharded checkpoints and DeepSpeed's client state are written by rank 0 alone."""
         import torch.distributed as dist
 
-        state = self.state_dict()
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return [state]
+            return [self.state_dict()]
+        try:
+            mine: tuple[Any, str | None] = (self.state_dict(), None)
+        except ConfigError as e:    # every rank raises it, after the gather: none is left waiting in it
+            mine = (None, str(e))
         every: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, state)
-        return every
+        dist.all_gather_object(every, mine)
+        for rank, (_, error) in enumerate(every):
+            if error is not None:
+                raise ConfigError(f"rank {rank}: {error}")
+        return [state for state, _ in every]
 
     def load_gathered(self, states: list[dict[str, Any]] | None, rank: int) -> None:
         """Restore this rank's entry of :meth:`gathered_state`'s list. Resumed on more ranks than saved
@@ -171,6 +178,19 @@ class Callbacks:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor detached and moved to CPU (rank 0 gathers and saves every rank's)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return value
 
 
 def _check_plain(value: Any, where: str) -> None:

@@ -34,23 +34,28 @@ class MetricsLogger(Callback):
     """
 
     def __init__(self, folder: str | Path, wandb_config: WandbConfig | None = None, *, rank: int = 0,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, wandb: bool = True):
         self.rank = rank
         self.path = Path(folder) / METRICS_FILE
         self._file = None
         self._started_wandb = False
+        self._wandb = wandb
         self.last_step = 0
         if rank != 0:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         wandb_config = wandb_config or WandbConfig()
-        if wandb_config.enabled:
-            import wandb
+        if wandb_config.enabled and wandb:
+            import wandb as wandb_lib
 
-            if wandb.run is None:
-                wandb.init(dir=str(self.path.parent), project=wandb_config.project, name=wandb_config.name,
-                           mode=os.environ.get("WANDB_MODE") or wandb_config.mode.value, config=config)
+            if wandb_lib.run is None:
+                try:
+                    wandb_lib.init(dir=str(self.path.parent), project=wandb_config.project, name=wandb_config.name,
+                                   mode=os.environ.get("WANDB_MODE") or wandb_config.mode.value, config=config)
+                except BaseException:
+                    self._file.close()
+                    raise
                 self._started_wandb = True
 
     def on_step_end(self, event: StepEnd) -> None:
@@ -60,10 +65,10 @@ class MetricsLogger(Callback):
         self.last_step = step
         if self._file is None:
             return
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.write(json.dumps({"step": step, **metrics}, default=_number) + "\n")
         import wandb
 
-        if wandb.run is not None:
+        if self._wandb and wandb.run is not None:
             wandb.log({k: v for k, v in metrics.items() if k.startswith("tda/")}, step=step)
 
     def state_dict(self) -> dict[str, Any]:
@@ -93,7 +98,8 @@ class MetricsLogger(Callback):
             tmp.unlink(missing_ok=True)
         self._file = open(self.path, "a", buffering=1)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Close the file, and finish a W&B run this logger started with the run's ``exit_code``."""
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -101,8 +107,16 @@ class MetricsLogger(Callback):
             import wandb
 
             if wandb.run is not None:
-                wandb.finish()
+                wandb.finish(exit_code=exit_code)
             self._started_wandb = False
+
+
+def _number(value: Any) -> Any:
+    """A value a callback added that JSON cannot write (a 0-d tensor, a numpy scalar): as a float."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def capture_numbers(store: Any, follower: Any, *, rows: int, append_ms: float, seconds: float,
