@@ -472,6 +472,12 @@ def test_a_run_folder_is_overwritten_resumed_or_refused_never_mixed(data_dir, tm
     tda_yaml = (run / "tda.yaml").read_bytes()
     bad_resume = _train(args + [f"--load_path={run / 'step2-unsharded'}", "--tda.capture.seed=7"], cwd=tmp_path)
     assert bad_resume.returncode != 0 and (run / "tda.yaml").read_bytes() == tda_yaml
+    # a dry run from an earlier checkpoint restores it and stops: nothing of the run is cut back
+    metrics = (run / "tda" / "metrics.jsonl").read_bytes()
+    dry = _train(args + [f"--load_path={run / 'step2-unsharded'}", "--dry_run=true"], cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert stored(store_dir)[0] == first and (run / "tda" / "metrics.jsonl").read_bytes() == metrics
+    assert (run / "tda.yaml").read_bytes() == tda_yaml
 
     # a fresh start over the old run, 2 steps at another learning rate: nothing of the first is left
     again = [a.replace("--max_duration=4", "--max_duration=2").replace("--stop_at=4", "--stop_at=2") for a in args]

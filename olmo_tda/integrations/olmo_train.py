@@ -6,6 +6,7 @@ FSDP; a single process works without ``torchrun`` (a one-rank gloo group is made
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import pickle
@@ -190,6 +191,12 @@ def train(cfg, tda_cfg: TDAConfig, step_callbacks=(), trainer_cls: type | None =
                           "modules); remove the compile section")
     if (warning := torchrun_restart_warning()) and os.environ.get("RANK") == "0":
         log.warning("%s", warning)          # before the process group, which a restart may fail to form
+    if cfg.dry_run and tda_cfg.enabled:
+        # a dry run builds and restores, then stops: restoring a checkpoint would cut the run's store,
+        # trajectory and logs back to its step, which nothing is written after. Its tda section was
+        # checked when it was loaded
+        log.info("dry_run: tda is off (no store, trajectory or log is opened, cut or written)")
+        tda_cfg = dataclasses.replace(tda_cfg, enabled=False)
     device = init_distributed()
     ok = False
     try:
