@@ -760,7 +760,7 @@ def test_a_checkpoint_of_an_abandoned_run_is_refused_after_the_rollback_run_pass
     before step 8 under A's model, so it is refused, naming the step the store was cut to. The
     checkpoints of the run the store continues resume as before, and the log survives a reopen."""
     from olmo_tda.config import ConfigError
-    from olmo_tda.integrations import check_rows_continue, resume_state
+    from olmo_tda.integrations.capture_store import check_rows_continue, resume_state
 
     path = tmp_path / "s"
     with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:

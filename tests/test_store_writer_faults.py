@@ -288,7 +288,7 @@ def test_a_resume_on_fewer_ranks_cuts_the_departed_ranks_rows_too(tmp_path):
     """A run of 2 ranks stored steps 1-4; resumed from step 2 on one rank, rank 1 has no writer to
     cut its rows of steps 3-4: they stayed, and the resumed run's own rows at those (id, step) were
     skipped as duplicates. cut_departed_ranks (both integrations call it after truncate_after)."""
-    from olmo_tda.integrations import cut_departed_ranks
+    from olmo_tda.integrations.capture_store import cut_departed_ranks
 
     path = tmp_path / "s"
     for rank in (0, 1):

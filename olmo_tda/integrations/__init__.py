@@ -14,9 +14,8 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
-__all__ = ["check_rows_continue", "cut_departed_ranks", "decided_on_rank0", "end_failed_rank",
-           "one_of_several_ranks", "quiet_olmo_warnings", "resume_state", "sum_and_max_over_ranks",
-           "sum_over_ranks", "torchrun_restart_warning"]
+__all__ = ["decided_on_rank0", "end_failed_rank", "one_of_several_ranks", "quiet_olmo_warnings",
+           "sum_and_max_over_ranks", "sum_over_ranks", "torchrun_restart_warning"]
 
 
 def one_of_several_ranks() -> bool:
@@ -148,59 +147,3 @@ def torchrun_restart_warning() -> str | None:
                        "static one, --master_addr/--master_port): use --rdzv_backend=c10d --rdzv_endpoint=HOST:PORT "
                        "(or --standalone on one node) so that restarts work")
     return said + "Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment so that restarts work"
-
-
-def cut_departed_ranks(store: Any, step: int) -> None:
-    """On resume, after each rank's own ``truncate_after(step)``: drop the rows after ``step`` that
-    ranks this run does not have wrote (a run resumed on fewer ranks), then have every rank re-read
-    the others' shards. Rank 0 cuts; every rank gets its outcome, so all raise or all go on."""
-    from ..store import StoreError
-
-    world = _group()[2]
-    if not store.departed_after(step, world):       # the same answer on every rank: nothing to do
-        return
-    try:
-        decided_on_rank0(lambda: store.truncate_departed(step, world))
-    except Exception as e:  # noqa: BLE001 - named in the error every rank raises
-        raise StoreError(f"resuming on {world} ranks: cutting back the rows of the ranks this run does not have "
-                         f"failed: {type(e).__name__}: {e}") from e
-    store.rescan_others()
-
-
-def resume_state(store: Any) -> dict[str, Any]:
-    """What a checkpoint records of the store's position, beside its path, id and step: this rank's
-    last durable step (flushed first) and how many truncations its rows have been through."""
-    log_id, count = store.timeline()
-    return {"reached": store.reached(), "timeline": count, "timeline_id": log_id}
-
-
-def check_rows_continue(store: Any, saved: dict[str, Any] | None, step: int) -> None:
-    """Before a resume from the checkpoint of ``step`` (``saved``: its :func:`resume_state` and
-    store id) cuts the store back: refuse a checkpoint of an abandoned run. That is one saved before
-    a later resume from an earlier checkpoint cut the store below its step (e.g.
-    ``try_load_latest_save`` or DeepSpeed's ``latest`` picking it while the rollback run has no
-    newer checkpoint), or one whose rows up to its step are no longer held. Its model is of the
-    abandoned run while the store holds the new run's rows before its step, or none. Rank 0 decides
-    (the checkpoint's state and its own shards); every rank raises alike."""
-    from ..config import ConfigError
-
-    def decide() -> None:
-        if not saved or saved.get("store_id") != store.store_id:
-            return
-        why = None
-        if saved.get("timeline") is not None:
-            cut = store.rolled_back_below((saved.get("timeline_id"), int(saved["timeline"])), step)
-            if cut is not None:
-                why = f"a later resume cut the store back to step {cut}"
-        if why is None and saved.get("reached") is not None:
-            want, have = min(int(saved["reached"]), step), store.reached(step)
-            if have is None or have < want:
-                why = (f"it was saved when the store held this run's rows up to step {want}, but it now holds "
-                       f"them only up to step {have}")
-        if why is not None:
-            raise ConfigError(f"tda: the checkpoint of step {step} belongs to an abandoned run: {why} (a resume from "
-                              f"an earlier checkpoint), so the store {store.path} holds another run's rows before "
-                              f"step {step}, or none. Resume from a checkpoint of the run the store continues "
-                              "(OLMo: --load_path=...; DeepSpeed: load_checkpoint(dir, tag=...)), or remove this one")
-
-    decided_on_rank0(decide, catch=ConfigError)

@@ -54,16 +54,14 @@ import torch
 import torch.distributed as dist
 
 from ..capture import GradientCapture, activation_grads_only, estimate_eigenbasis
-from ..capture.eigenbasis import EigenBasisError
 from ..capture.hooks import Recording, _in_backward
 from ..config import ConfigError, LossReduction, ProjectionType, TDAConfig
-from ..store import GradientRecord, GradientStore
-from ..store.format import BASES_DIR
+from ..store import GradientRecord
 from ..store.record import cat_rows
 from ..training.callbacks import Callback, Callbacks, StepEnd
-from ..training.metrics import MetricsLogger, capture_numbers
-from . import (check_rows_continue, cut_departed_ranks, decided_on_rank0, resume_state, sum_and_max_over_ranks,
-               sum_over_ranks)
+from ..training.metrics import MetricsLogger
+from . import decided_on_rank0, sum_and_max_over_ranks, sum_over_ranks
+from .capture_store import CaptureStore
 from .deepspeed_selection import DeepSpeedSelection, check_selection_log, rounds_up_to  # noqa: F401 - re-exported
 
 __all__ = ["attach", "close_open_sessions", "estimate_basis", "DeepSpeedTDA", "DeepSpeedSelection", "STATE_KEY"]
@@ -231,7 +229,7 @@ class DeepSpeedTDA:
         self.engine = engine
         self.config = config
         self.capture: GradientCapture | None = None
-        self.store = None
+        self.capture_store: CaptureStore | None = None     # the store (and a basis that follows the run)
         self.steps_committed = 0
         self.steps_dropped = 0
         self.rows_captured = 0
@@ -249,9 +247,8 @@ class DeepSpeedTDA:
         self._warned_unused = False
         self.run_callbacks = Callbacks()
         self.metrics_log: MetricsLogger | None = None
-        self._run_rows = 0          # the run's rows so far, all ranks, through resumes
         self._step_clock = 0.0
-        self.follower = self.trajectory = None
+        self.trajectory = None
         self._tokens_seen = 0
         if not config.enabled:
             return
@@ -291,18 +288,11 @@ class DeepSpeedTDA:
     def _open_outputs(self, config: TDAConfig) -> None:
         """This rank's store, the following basis (``capture.basis_every``) and the trajectory."""
         engine = self.engine
-        meta = self.capture.store_metadata() | {"extra": {"framework": "deepspeed",
-                                                          "zero_stage": int(engine.zero_optimization_stage()),
-                                                          "gradient_accumulation_steps": self._gas()}}
-        self.store = GradientStore.create(Path(config.store.path), meta, config.store, rank=_rank())
-        if self.capture.basis is not None:      # capture.basis_every: the basis follows the run
-            from ..capture.following import BasisFollower
-
-            self.follower = BasisFollower(engine.module, self.capture, self.capture.config,
-                                          Path(config.store.path) / BASES_DIR, writer=_rank() == 0,
-                                          distributed=_world_size() > 1,
+        extra = {"framework": "deepspeed", "zero_stage": int(engine.zero_optimization_stage()),
+                 "gradient_accumulation_steps": self._gas()}
+        self.capture_store = CaptureStore(engine.module, self.capture, config.store, config.store.path,
+                                          {"extra": extra}, rank=_rank(), world_size=_world_size(),
                                           barrier=dist.barrier if _world_size() > 1 else None)
-            self.follower.start(1)      # a resume replaces the history with its checkpoint's
         if config.trajectory.enabled:
             from ..training.trajectory import Trajectory
 
@@ -321,8 +311,7 @@ class DeepSpeedTDA:
         if not torch.is_grad_enabled() or _in_backward() or self.capture.paused:
             return                          # evaluation, or an activation-checkpoint recompute
         self._close_open()
-        if self.follower is not None:       # samples this step's token rows when a refresh is near
-            self.follower.before_step(int(self.engine.global_steps) + 1)
+        self.capture_store.before_step(int(self.engine.global_steps) + 1)
         ids, divisor = self._read_batch(args, kwargs)
         stack = contextlib.ExitStack()
         self._open_rec = stack.enter_context(self.capture.record(ids, loss_scale=divisor * self._gas()))
@@ -443,11 +432,8 @@ class DeepSpeedTDA:
         records, self._pending = self._pending, []
         record, append_ms = None, 0.0
         if engine.was_step_applied():
-            t1 = time.perf_counter()
             record = self._commit(records, step=int(engine.global_steps), lr=lr)
-            append_ms = 1e3 * (time.perf_counter() - t1)
-            if self.follower is not None:   # after the commit: this step's rows are the old version's
-                self.follower.after_step(int(engine.global_steps))
+            append_ms = self.capture_store.commit(record, int(engine.global_steps))
             if self.trajectory is not None:
                 self.trajectory.maybe_save(int(engine.global_steps), self._full_weights, lrs=lrs,
                                            tokens_seen=self._tokens_seen)
@@ -462,15 +448,13 @@ class DeepSpeedTDA:
         """The step's run-wide ``tda/*`` metrics (one collective), then the callbacks, the metrics
         log and DeepSpeed's monitor. Every rank comes here at every optimizer step."""
         now = time.perf_counter()
-        sums, maxima, metrics = capture_numbers(self.store, self.follower, rows=len(record.ids) if record else 0,
-                                                append_ms=append_ms, seconds=now - self._step_clock,
-                                                row_bytes=self._row_bytes())
+        sums, maxima, metrics = self.capture_store.numbers(rows=len(record.ids) if record else 0, append_ms=append_ms,
+                                                           seconds=now - self._step_clock)
         self._step_clock = now
         summed, slowest = sum_and_max_over_ranks(list(sums.values()), list(maxima.values()), self.engine.device)
         metrics.update(zip(sums, summed))
         metrics.update(zip(maxima, slowest))
-        self._run_rows += int(metrics["tda/rows_captured"])
-        metrics["tda/rows_captured"] = float(self._run_rows)
+        self.capture_store.count_run_rows(metrics)
         ids = record.ids if record is not None else np.zeros(0, dtype=np.int64)
         self.run_callbacks.step_end(StepEnd(step=step, model=self.engine.module, ids=ids, record=record,
                                             metrics=metrics, rank=_rank(), world_size=_world_size()))
@@ -479,9 +463,6 @@ class DeepSpeedTDA:
         if monitor is not None and monitor.enabled and _rank() == 0:
             samples = int(getattr(self.engine, "global_samples", step))
             monitor.write_events([(k, float(v), samples) for k, v in metrics.items()])
-
-    def _row_bytes(self) -> int:
-        return (4 if self.config.store.dtype.value == "float32" else 2) * self.capture.floats_per_example
 
     def _commit(self, records: list[Recording], step: int, lr: float) -> GradientRecord | None:
         if not records:
@@ -494,7 +475,6 @@ class DeepSpeedTDA:
                  for name in parts[0]}
         record = GradientRecord(ids=ids, step=step, lr=lr, loss_scale=scales, grads=grads,
                                 basis=records[0].basis_version)
-        self.store.append(record)
         self.steps_committed += 1
         self.rows_captured += len(ids)
         return record
@@ -507,9 +487,8 @@ class DeepSpeedTDA:
         if STATE_KEY in user_state:
             raise ConfigError(f"save_checkpoint: client_state key {STATE_KEY!r} is olmo_tda's (its store position "
                               "goes there); rename yours")
-        self.store.flush()                      # every committed step is durable before the checkpoint exists
-        state = {**self.state_dict(), "rows_captured_run": self.run_metrics()["rows_captured"],   # every rank saves
-                 "callbacks": self.run_callbacks.gathered_state()}     # (collective too)
+        self.capture_store.flush()              # every committed step is durable before the checkpoint exists
+        state = {**self.state_dict(), "callbacks": self.run_callbacks.gathered_state()}     # collective
         bound.arguments["client_state"] = {**user_state, STATE_KEY: state}
         return orig(*bound.args, **bound.kwargs)
 
@@ -529,37 +508,22 @@ class DeepSpeedTDA:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume the store: plain types only."""
-        return {"store": str(self.store.path), "store_id": self.store.store_id, "step": int(self.engine.global_steps),
-                "projector_hash": self.capture.projector_hash, "tokens_seen": self._tokens_seen,
-                "trajectory": self.trajectory.state_dict() if self.trajectory is not None else None,
-                **({"basis": self.follower.state_dict()} if self.follower is not None else {}),
-                **resume_state(self.store)}
+        return {**self.capture_store.state_dict(int(self.engine.global_steps)), "tokens_seen": self._tokens_seen,
+                "trajectory": self.trajectory.state_dict() if self.trajectory is not None else None}
 
     def load_state_dict(self, state: Mapping | None) -> None:
         """Resume after ``engine.load_checkpoint``: refuse other projectors, drop rows past the
         checkpoint's step (they will be re-run) and any half-accumulated micro-batches."""
-        if state is not None and state.get("projector_hash") != self.capture.projector_hash:
-            raise ConfigError(f"tda.capture: resuming with projectors {self.capture.projector_hash} but the "
-                              f"checkpoint's store used {state.get('projector_hash')}; keep tda.capture as it was")
         step = int(self.engine.global_steps)
-        self.store.check_resume(state, step)    # another run's store here: refused before anything is cut
-        check_rows_continue(self.store, state, step)    # a checkpoint of an abandoned run: refused too
+        self.capture_store.check_resume(state, step)    # refused before anything is cut
         if self._open is not None:
             self._open.close()
         self._open, self._open_rec, self._pending = None, None, []
         if self.trajectory is not None:     # the schedule as of the checkpoint (refused before the store is
             self.trajectory.resume(step, (state or {}).get("trajectory"))    # cut); its later checkpoints go
-        dropped = self.store.truncate_after(step)
-        if dropped:
-            log.info("tda: dropped %d of this rank's stored rows past step %d (they will be re-run)", dropped, step)
-        cut_departed_ranks(self.store, step)     # resumed on fewer ranks: the others' later rows too
-        if self.follower is not None:       # the versions in force up to here; later ones' files removed
-            try:
-                self.follower.load_state_dict((state or {}).get("basis"), step, stored=self.store.bases)
-            except EigenBasisError as e:
-                raise ConfigError(f"tda.capture.basis_every: {e}") from None
+        self.capture_store.resume(state, step)
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
-        self._rows_before = self._run_rows = int((state or {}).get("rows_captured_run", 0))
+        self._rows_before = self.capture_store.run_rows
         self.metrics_log.cut_after(step)        # its later steps will be run again
         if state is not None:
             self.run_callbacks.load_gathered(state.get("callbacks"), _rank())
@@ -570,11 +534,8 @@ class DeepSpeedTDA:
         checkpoint (its job was requeued): every rank drops them, as a resume from step 0 would.
         Collective: every rank calls it, before the first step. Trajectory checkpoints of the old
         attempt go at the first step, as on any fresh start."""
-        dropped = self.store.truncate_after(0)
-        cut_departed_ranks(self.store, 0)
+        self.capture_store.start_over()
         self.metrics_log.cut_after(0)
-        if dropped:
-            log.info("tda: dropped this rank's %d stored rows (the run starts over)", dropped)
 
     def metrics(self) -> dict[str, float]:
         """This rank's ``tda/*`` numbers: rows and steps since :func:`attach` (or the last resume),
@@ -595,6 +556,16 @@ class DeepSpeedTDA:
 
     # -- lifetime ----------------------------------------------------------------------------------
 
+    @property
+    def store(self):
+        """This rank's gradient store writer, or None when the session stores nothing."""
+        return self.capture_store.store if self.capture_store is not None else None
+
+    @property
+    def follower(self):
+        """The eigenbasis that follows training (``capture.basis_every``), or None."""
+        return self.capture_store.follower if self.capture_store is not None else None
+
     def flush(self) -> None:
         """Make every committed step durable now."""
         if self.store is not None:
@@ -610,7 +581,7 @@ class DeepSpeedTDA:
         if self._open is not None:
             self._open.close()
             self._open = self._open_rec = None
-        if getattr(self, "follower", None) is not None:
+        if self.follower is not None:
             self.follower.remove()
         if self.capture is not None and self._owns_capture:
             self.capture.remove()
@@ -620,8 +591,8 @@ class DeepSpeedTDA:
         Micro-batches of an unfinished accumulation window are not recorded. ``exit_code``: the run's,
         for a W&B run the session started."""
         try:
-            if self.store is not None:
-                self.store.close()
+            if self.capture_store is not None:
+                self.capture_store.close()
         finally:
             try:
                 self.run_callbacks.close()

@@ -58,13 +58,12 @@ import torch.distributed as dist
 import yaml
 
 from ..capture import GradientCapture
-from ..capture.eigenbasis import EigenBasisError, estimate_eigenbasis
+from ..capture.eigenbasis import estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
-from ..store import GradientStore
-from ..store.format import BASES_DIR
 from ..training.callbacks import Callback, Callbacks, StepEnd
-from ..training.metrics import MetricsLogger, capture_numbers
-from . import check_rows_continue, cut_departed_ranks, resume_state, sum_and_max_over_ranks
+from ..training.metrics import MetricsLogger
+from . import sum_and_max_over_ranks
+from .capture_store import CaptureStore
 from .olmo_selection import OLMoSelection, RestartableLoader
 
 try:
@@ -167,11 +166,9 @@ class TDATrainer(Trainer):
     def __post_init__(self):
         super().__post_init__()
         self.capture: GradientCapture | None = None
-        self.follower = None                # capture.basis_every: the eigenbasis versions of the run
-        self.store = None
+        self.capture_store: CaptureStore | None = None     # the store (and a basis that follows the run)
         self.trajectory = None
         self._record = None
-        self._rows_captured = 0
         self.metrics_log = None
         self.run_callbacks = Callbacks()
         self.selection = None
@@ -187,20 +184,11 @@ class TDATrainer(Trainer):
             self.run_callbacks = Callbacks([*self.tda.callbacks, *given])
             if self.tda.store.enabled:
                 self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
-                store_path = Path(self.tda.store.path or tda_dir / "store")
-                meta = self.capture.store_metadata() | {"extra": {"run_name": self.cfg.run_name,
-                                                                  "data_paths": list(self.cfg.data.paths or [])}}
-                self.store = GradientStore.create(store_path, meta, self.tda.store, rank=_rank())
-                itemsize = 4 if self.tda.store.dtype.value == "float32" else 2
-                self._row_bytes = itemsize * self.capture.floats_per_example
-                if self.capture.basis is not None:      # capture.basis_every: the basis follows the run
-                    from ..capture.following import BasisFollower
-
-                    self.follower = BasisFollower(self.dist_model, self.capture, self.capture.config,
-                                                  store_path / BASES_DIR, writer=_rank() == 0,
-                                                  distributed=_world_size() > 1,
+                extra = {"run_name": self.cfg.run_name, "data_paths": list(self.cfg.data.paths or [])}
+                self.capture_store = CaptureStore(self.dist_model, self.capture, self.tda.store,
+                                                  self.tda.store.path or tda_dir / "store", {"extra": extra},
+                                                  rank=_rank(), world_size=_world_size(),
                                                   barrier=dist.barrier if _world_size() > 1 else None)
-                    self.follower.start(1)      # a resume replaces the history with its checkpoint's
             # here wherever the store is: reports look here
             self.metrics_log = MetricsLogger(tda_dir, self.tda.wandb, rank=_rank(),
                                              config={"tda": self.tda.to_dict(), "run_name": self.cfg.run_name})
@@ -219,6 +207,11 @@ class TDATrainer(Trainer):
                 log.exception("tda: releasing what was opened before the error below failed")
             raise
 
+    @property
+    def store(self):
+        """This rank's gradient store writer, or None when nothing is stored."""
+        return self.capture_store.store if self.capture_store is not None else None
+
     def _release_tda(self, exit_code: int = 0) -> None:
         """Close the store (its last window written), remove the hooks, close the selector, the
         callbacks and the metrics log: whatever of them was opened, each even if another fails."""
@@ -230,10 +223,8 @@ class TDATrainer(Trainer):
                 stack.callback(self.selection.close)
             if self.capture is not None:
                 stack.callback(self.capture.remove)
-            if self.follower is not None:
-                stack.callback(self.follower.remove)
-            if self.store is not None:
-                stack.callback(self.store.close)
+            if self.capture_store is not None:
+                stack.callback(self.capture_store.close)
 
     def _with_basis(self, capture: CaptureConfig) -> CaptureConfig:
         """``capture`` with ``basis`` set to the run's eigenbasis file, estimated first if missing."""
@@ -283,8 +274,7 @@ class TDATrainer(Trainer):
         if "index" not in batch:
             raise RuntimeError("tda capture needs batch['index'] (global instance ids); OLMo's IterableDataset "
                                "provides it — a custom loader must too")
-        if self.follower is not None:       # samples this step's token rows when a refresh is near
-            self.follower.before_step(self.global_step)
+        self.capture_store.before_step(self.global_step)
         with self.capture.record(batch["index"], loss_scale=batch["input_ids"].numel()) as rec:
             out = super().train_batch(batch)
         self._record = rec
@@ -318,29 +308,23 @@ class TDATrainer(Trainer):
         return metrics
 
     def _store_step(self, metrics: dict[str, float], t0: float):
-        """Hand the step's record to the store (and the selector's sources policy), then refresh the
-        following basis if due: the record, and this rank's capture numbers to sum and to maximize over
-        the ranks (empty without a store)."""
-        if self.store is None:
+        """Hand the step's record to the store (and the selector's sources policy): the record, and
+        this rank's capture numbers to sum and to maximize over the ranks (empty without a store)."""
+        if self.capture_store is None:
             return None, {}, {}
-        record, append_ms = None, 0.0
+        record = None
         if self._record is not None:
-            t1 = time.perf_counter()
             lr = float(self.optim.param_groups[0]["lr"])           # what OLMo's step just used
             # the row's weight in the step's update: OLMo divides by this rank's tokens and DDP/FSDP
             # average over the ranks, so TracIn's lr / loss_scale needs the global batch's tokens
             record = self._record.to_record(step=self.global_step, lr=lr)
             record.loss_scale = record.loss_scale * _world_size()
-            self.store.append(record)
             if self.selection is not None:      # the sources policy learns from these very rows
                 self.selection.selector.observe(self._record)
             self._record = None
-            append_ms = 1e3 * (time.perf_counter() - t1)
-        if self.follower is not None:   # after the append: this step's rows are the old version's
-            self.follower.after_step(self.global_step)
-        sums, maxima, same = capture_numbers(self.store, self.follower, rows=len(record.ids) if record else 0,
-                                             append_ms=append_ms, seconds=time.perf_counter() - t0,
-                                             row_bytes=self._row_bytes)
+        append_ms = self.capture_store.commit(record, self.global_step)
+        sums, maxima, same = self.capture_store.numbers(rows=len(record.ids) if record else 0, append_ms=append_ms,
+                                                        seconds=time.perf_counter() - t0)
         metrics.update(same)
         return record, sums, maxima
 
@@ -359,8 +343,7 @@ class TDATrainer(Trainer):
         for key, value in zip(counts, values[len(losses):]):
             metrics[key] = float(value)
         if counts:
-            self._rows_captured += int(metrics["tda/rows_captured"])
-            metrics["tda/rows_captured"] = float(self._rows_captured)
+            self.capture_store.count_run_rows(metrics)
 
     def _keep_trajectory(self, step: int) -> None:
         self.trajectory.maybe_save(step, self._full_weights, lrs=[float(g["lr"]) for g in self.optim.param_groups],
@@ -394,17 +377,12 @@ class TDATrainer(Trainer):
                      "ephemeral_checkpoints": self.ephemeral_checkpoints,
                      "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                              "torch": torch.random.get_rng_state()}}
-        if self.store is not None:
-            state["tda"] = {"store": str(self.store.path), "step": self.global_step,
-                            "projector_hash": self.capture.projector_hash, "store_id": self.store.store_id,
-                            "rows_captured": self._rows_captured,    # the run's, all ranks
-                            **resume_state(self.store)}     # flushed: this rank's rows up to here
+        if self.capture_store is not None:      # flushed: this rank's rows up to here
+            state["tda"] = self.capture_store.state_dict(self.global_step)
         if self.tda.enabled:                # collective: every rank's callback state, kept by rank 0
             state["tda_callbacks"] = self.run_callbacks.gathered_state()
         if self.trajectory is not None:     # the schedule as of this step (a resume restores it)
             state["tda_trajectory"] = self.trajectory.state_dict()
-        if self.follower is not None:       # the basis versions in force up to this step
-            state["tda_basis"] = self.follower.state_dict()
         if self.selection is not None:      # what a resume's log must hold to replay this step's order
             state["tda_selection"] = self.selection.state_dict()
         elif self._carried_selection:       # switched off: switching it back on is still checked against them
@@ -420,13 +398,11 @@ class TDATrainer(Trainer):
 
     def load_trainer_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_trainer_state_dict(_from_weights_only_safe(state_dict))
-        saved = state_dict.get("tda")       # refused before anything on disk is cut back
-        if self.store is not None and saved is not None and saved.get("projector_hash") != self.capture.projector_hash:
-            raise ConfigError(f"resuming with different projectors ({self.capture.projector_hash}) than the "
-                              f"checkpoint's store ({saved.get('projector_hash')}): keep tda.capture as it was")
-        if self.store is not None:          # another run's store here: refused before anything is cut
-            self.store.check_resume(saved, self.global_step)
-            check_rows_continue(self.store, saved, self.global_step)
+        saved = state_dict.get("tda")
+        if saved is not None and "tda_basis" in state_dict:     # a checkpoint that kept the basis beside it
+            saved = {**saved, "basis": state_dict["tda_basis"]}
+        if self.capture_store is not None:      # refused before anything on disk is cut back
+            self.capture_store.check_resume(saved, self.global_step)
         # restore_dataloader: false: OLMo restarts the step count and the data at 0 (the weights only, to
         # train on): a new timeline, as a fresh run's. No selection round of the checkpoint's run applies
         # (OLMoSelection.reapply cuts this run's log to none), the trajectory starts at its first save
@@ -447,23 +423,12 @@ class TDATrainer(Trainer):
             self.run_callbacks.load_gathered(state_dict.get("tda_callbacks"), _rank())
         if self.selection is not None:
             self.selection.reapply()
-        if self.store is None:
-            return
-        self._rows_captured = 0 if new_timeline else int((saved or {}).get("rows_captured", 0))   # goes on from it
-        dropped = self.store.truncate_after(self.global_step)
-        if dropped:
-            log.info("tda: dropped %d stored rows past step %d (they will be re-run)", dropped, self.global_step)
-        cut_departed_ranks(self.store, self.global_step)     # resumed on fewer ranks: the others' later rows too
-        if self.follower is not None:       # the versions in force up to here; later ones' files removed
-            try:
-                self.follower.load_state_dict(None if new_timeline else state_dict.get("tda_basis"),
-                                              self.global_step, stored=self.store.bases)
-            except EigenBasisError as e:
-                raise ConfigError(f"tda.capture.basis_every: {e}") from None
+        if self.capture_store is not None:
+            self.capture_store.resume(saved, self.global_step, new_timeline=new_timeline)
 
     def save_checkpoint(self, checkpoint_type: CheckpointType = CheckpointType.sharded):
-        if self.store is not None:
-            self.store.flush()      # every step up to this checkpoint is durable before it exists
+        if self.capture_store is not None:
+            self.capture_store.flush()      # every step up to this checkpoint is durable before it exists
         return super().save_checkpoint(checkpoint_type)
 
     def close(self, exit_code: int = 0) -> None:
