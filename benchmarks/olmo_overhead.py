@@ -88,6 +88,14 @@ def train_config(args, data_path: Path, save_folder: Path, steps: int):
         save_data_indices=False, wandb=None, console_log_interval=10**9)
 
 
+def _attach(trainer, cap, store) -> None:
+    """Point the trainer's capture and its capture+store part at one arm's pair."""
+    part = trainer.capture_store
+    trainer.capture = part.capture = cap
+    part.store = store
+    part.row_bytes = (4 if store.dtype.value == "float32" else 2) * cap.floats_per_example
+
+
 class Arms:
     """The trainer plus one (capture, store) pair per k; the first pair is the trainer's own."""
 
@@ -124,7 +132,7 @@ class Arms:
         t = self.trainer
         cap, store = self.pairs.get(arm, (None, None))
         if cap is not None:
-            t.capture, t.store = cap, store     # TDATrainer reads self.capture / self.store each step
+            _attach(t, cap, store)              # TDATrainer reads its capture and store each step
         wall, cpu = timed_block(lambda batch: self.step(arm, batch), batches, cap, store)
         if measure:
             self.times[arm].append(wall)
@@ -135,7 +143,7 @@ class Arms:
         from olmo_tda.store import GradientStore
 
         first = next(iter(self.pairs))
-        self.trainer.capture, self.trainer.store = self.pairs[first]
+        _attach(self.trainer, *self.pairs[first])
         sizes = {"plain": 0}
         for name, (cap, store) in self.pairs.items():
             if name != first:

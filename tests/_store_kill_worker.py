@@ -154,18 +154,27 @@ def task_one_step_loop(path: str, step: int, rows: int, flush_mb: float, start: 
     _event(event="closed")
 
 
-def task_truncate_crash(path: str, step: int, rank: int = 0) -> None:
-    """Rank ``rank``'s ``truncate_after(step)``, SIGKILLed after the manifest is rewritten but before
-    shard files change."""
+def task_truncate_crash(path: str, step: int, rank: int = 0, at: str = "manifest") -> None:
+    """Rank ``rank``'s ``truncate_after(step)``, SIGKILLed at ``at``: "before" the cut marker is
+    written, right after it ("cut"), or after the manifest that follows it ("manifest"), before the
+    shards the cut voided are removed."""
     from olmo_tda.config import StoreConfig
     from olmo_tda.store import GradientStore, writer as wmod
 
-    real_write_manifest = wmod.write_manifest
+    real_write_cut, real_write_manifest = wmod.write_cut, wmod.write_manifest
+
+    def write_cut(*args):
+        if at == "before":
+            _kill_self()
+        real_write_cut(*args)
+        if at == "cut":
+            _kill_self()
 
     def write_manifest(root, state):
         real_write_manifest(root, state)
-        _kill_self()
-    wmod.write_manifest = write_manifest
+        if at == "manifest" and state.cuts:
+            _kill_self()
+    wmod.write_cut, wmod.write_manifest = write_cut, write_manifest
     store = GradientStore.create(path, META, StoreConfig(flush_every=2), rank=rank)
     store.truncate_after(step)
     _event(event="survived")

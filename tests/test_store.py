@@ -13,6 +13,7 @@ import math
 import os
 import random
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -750,7 +751,7 @@ def test_truncate_after_drops_later_steps_then_appending_resumes(tmp_path):
         assert w.stats["rows_skipped_duplicate"] == 0
     store = GradientStore.open(path)
     assert store.steps.tolist() == list(range(8)) and store.num_rows == 24
-    assert store.shards[-1].seq == 3  # seq numbers are never reused
+    assert store.shards[-1].seq == 5  # seq numbers are never reused: 3 and 4 are the two cuts
 
 
 def test_a_checkpoint_of_an_abandoned_run_is_refused_after_the_rollback_run_passes_its_step(tmp_path):
@@ -803,12 +804,15 @@ def test_a_checkpoint_of_an_abandoned_run_is_refused_after_the_rollback_run_pass
     with pytest.warns(RuntimeWarning, match="rebuilding unreadable manifest"):
         GradientStore.open(path, repair=True)
     with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
-        assert w.timeline()[1] == 0 and w.timeline()[0] != new9["timeline_id"]
+        assert w.timeline()[1] == 2 and w.timeline()[0] != new9["timeline_id"]     # rebuilt from the cut markers
         w.truncate_after(6)
         for r in random_records(range(7, 11), seed=4):
             w.append(r)
         w.flush()
-        assert w.timeline()[1] == 1             # as long as the log new9 recorded, but another log
+        assert w.timeline()[1] == 3
+        old_style = {k: v for k, v in new9.items() if k != "cut_seq"}       # a checkpoint from before cut markers
+        with pytest.raises(ConfigError, match="cut the store back to step 4"):     # another log: every cut checked
+            check_rows_continue(w, old_style, 9)
         with pytest.raises(ConfigError, match="checkpoint of step 9 belongs to an abandoned run: a later resume "
                                               "cut the store back to step 6"):
             check_rows_continue(w, new9, 9)
@@ -918,29 +922,29 @@ def test_another_ranks_open_never_holds_a_ranks_lock_through_its_scan(tmp_path, 
         assert opened[0].num_rows == 15
 
 
-def test_a_departed_ranks_shard_left_long_by_a_crash_in_truncate_after_is_still_cut(tmp_path, zygote):
-    """A SIGKILL inside truncate_after between its manifest write and the rename of the cut shard leaves
-    a manifest shorter than the file. A rank that is not in the resumed run never reopens to
-    reconcile it: the other ranks' writers must still read the file's rows (the manifest says a
-    truncation was under way), or the resume's departed_after finds nothing to cut and the abandoned
-    rows stay (found in review)."""
+@pytest.mark.parametrize("at", ["before", "cut"])
+def test_a_departed_ranks_rows_after_the_step_are_cut_whatever_its_crash_in_truncate_after_left(tmp_path, zygote,
+                                                                                                 at):
+    """A rank that is not in the resumed run never reopens to finish its own cut. Killed inside
+    truncate_after before its cut marker was durable, its rows stay, and the resume's
+    truncate_departed cuts them; killed after, they are void already for every reader and writer,
+    so nothing is left to cut (found in review when cuts rewrote shards)."""
     path = tmp_path / "s"
     for rank in (0, 2):
         with GradientStore.create(path, META, StoreConfig(flush_every=10), rank=rank) as w:
             for step in range(10):
                 w.append(worker.make_record(step, ids=[1000 * rank + step]))
-    pid = zygote.start("truncate_crash", path=str(path), step=5, rank=2)      # keeps 0-5 of its one shard
+    pid = zygote.start("truncate_crash", path=str(path), step=5, rank=2, at=at)      # keeps 0-5 of its one shard
     status = zygote.wait_exit(pid)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    assert json.loads((path / "manifest-r00002.json").read_text())["truncating"] is True
+    left = 4 if at == "before" else 0
     block = GradientStore.open(path).read_all()
-    assert int(((block.ids >= 2000) & (block.steps > 5)).sum()) == 4      # the files are the truth
+    assert int(((block.ids >= 2000) & (block.steps > 5)).sum()) == left
     with GradientStore.create(path, META, StoreConfig(), rank=0) as w0:
-        assert w0.departed_after(5, 2) == [2]
-        assert w0.truncate_departed(5, 2) == 4
+        assert w0.departed_after(5, 2) == ([2] if left else [])
+        assert w0.truncate_departed(5, 2) == left
     block = GradientStore.open(path).read_all()
     assert sorted(block.ids[block.ids >= 2000].tolist()) == [2000 + s for s in range(6)]
-    assert json.loads((path / "manifest-r00002.json").read_text())["truncating"] is False
 
 
 def test_a_writer_stats_another_ranks_shards_only_when_its_manifest_may_lag_its_files(tmp_path, monkeypatch):
@@ -956,7 +960,7 @@ def test_a_writer_stats_another_ranks_shards_only_when_its_manifest_may_lag_its_
         with GradientStore.create(path, META, StoreConfig(flush_every=2), rank=rank) as w:
             for r in recs:
                 w.append(r)
-            assert w.truncate_after(4) == 3                   # shard of steps 4-5 rewritten: 4 kept
+            assert w.truncate_after(4) == 3                   # cut through the shard of steps 4-5: 4 kept
     manifest = path / "manifest-r00001.json"
     assert json.loads(manifest.read_text())["truncating"] is False
     stat, stats = os.stat, []
@@ -1004,40 +1008,91 @@ def test_a_damaged_shard_of_another_rank_is_named_when_a_replayed_step_needs_its
     assert "repair=True" in message
 
 
-def test_the_truncating_flag_is_cleared_by_the_ranks_own_reopen_and_kept_while_an_entry_may_lag(
-        tmp_path, zygote, monkeypatch):
-    """After a crash inside truncate_after the rank's own open reconciles every shard, so it clears the
-    flag (else every other rank's writer would stat its shards at every open for good). A failed
-    truncation whose rewritten shard could not be re-read keeps it set in what the writer writes next."""
+def test_a_damaged_cut_marker_or_cuts_entry_is_refused_by_name_never_ignored(tmp_path):
+    """A cut marker voids an abandoned run's rows: one that cannot be read must not be skipped (its
+    rows would come back), so every open refuses it, naming the file; a manifest's ``cuts`` that is
+    not what a writer writes is named too."""
     path = tmp_path / "s"
-    flag = lambda: json.loads((path / "manifest-r00000.json").read_text())["truncating"]     # noqa: E731
     with GradientStore.create(path, META, StoreConfig(flush_every=10)) as w:
         for step in range(10):
             w.append(worker.make_record(step))
-    pid = zygote.start("truncate_crash", path=str(path), step=5)
-    assert os.WIFSIGNALED(zygote.wait_exit(pid)) and flag() is True
-    GradientStore.create(path, META, StoreConfig()).close()
-    assert flag() is False and check_worker_rows(GradientStore.open(path)) == set(range(10))
-    real_commit = writer_module.commit_shard
+        w.flush()
+        assert w.truncate_after(5) == 4 * worker.ROWS_PER_STEP
+    marker = path / "shards" / "r00000-00000001.cut.json"
+    assert json.loads(marker.read_text())["step"] == 5
+    assert check_worker_rows(GradientStore.open(path)) == set(range(6))
+    manifest = path / "manifest-r00000.json"
+    data = json.loads(manifest.read_text())
+    assert data["cuts"] == {"1": 5} and data["shards"][0]["cut"] == 5 and data["shards"][0]["stored_rows"] == \
+        10 * worker.ROWS_PER_STEP
+    del data["cuts"]                                   # the manifest lost the cut: the marker still holds
+    manifest.write_text(json.dumps(data))
+    assert check_worker_rows(GradientStore.open(path)) == set(range(6))
+    marker.write_text('{"format": "olmo_tda.store.cut", "rank": 0, "seq": 1, "step": "five"}')
+    for opening in (lambda: GradientStore.open(path), lambda: GradientStore.create(path, META, StoreConfig())):
+        with pytest.raises(StoreCorruptError, match=r"cut marker .*r00000-00000001.cut.json is damaged"):
+            opening()
+    data["cuts"] = {"1": "five"}
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(StoreCorruptError, match="manifest-r00000.json is damaged: cuts must map seqs to steps"):
+        GradientStore.open(path)
 
-    def commit_then_fail(root, tmp, info):             # the rename went through, then an error
-        real_commit(root, tmp, info)
-        raise OSError(errno.EIO, "Input/output error")
 
-    w = GradientStore.create(path, META, StoreConfig(flush_every=10))
-    monkeypatch.setattr(writer_module, "commit_shard", commit_then_fail)
-    monkeypatch.setattr(writer_module, "read_shard_info", lambda *a: (_ for _ in ()).throw(StoreCorruptError("x")))
-    with pytest.raises(StoreWriteError, match="truncate_after"):
-        w.truncate_after(5)
-    monkeypatch.undo()
-    w.truncate_after(5)                                # a later truncation of this writer keeps it too
-    assert flag() is True
-    w.append(worker.make_record(6))                    # as does every manifest it writes
-    w.flush()
-    w.close()
-    assert flag() is True
+def test_the_manifests_are_a_cache_without_them_a_store_reads_and_resumes_the_same(tmp_path):
+    """The listing is the truth: shards, written once and self-describing, and cut markers. With every
+    manifest and sealed block gone, the store opens with the same rows and the cut in force, a writer
+    goes on from it, and a checkpoint's rollback check still sees the cut made after it."""
+    from olmo_tda.config import ConfigError
+    from olmo_tda.integrations.capture_store import check_rows_continue, resume_state
+
+    path = tmp_path / "s"
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        for step in range(12):
+            w.append(worker.make_record(step))
+        w.flush()
+        saved = {"store_id": w.store_id, **resume_state(w)}      # a checkpoint at step 11
+        w.truncate_after(6)                                      # a resume from an earlier one
+        for step in range(7, 9):
+            w.append(worker.make_record(step))
+    before = GradientStore.open(path)
+    want = before.read_all()
+    for manifest in path.glob("manifest-*.json"):
+        manifest.unlink()
+    shutil.rmtree(path / "index", ignore_errors=True)
+    after = GradientStore.open(path)
+    assert [(s.seq, s.num_rows, s.step_max, s.cut) for s in after.shards] == \
+        [(s.seq, s.num_rows, s.step_max, s.cut) for s in before.shards]
+    got = after.read_all()
+    assert got.ids.tolist() == want.ids.tolist() and got.steps.tolist() == want.steps.tolist()
+    assert all(torch.equal(got.grads[name], want.grads[name]) for name in want.grads)
+    assert check_worker_rows(after) == set(range(9))
+    with GradientStore.create(path, META, StoreConfig(flush_every=3)) as w:
+        assert w.timeline()[1] == 1                              # the cut, from its marker
+        with pytest.raises(ConfigError, match="checkpoint of step 11 belongs to an abandoned run: a later resume "
+                                              "cut the store back to step 6"):
+            check_rows_continue(w, saved, 11)
+        for step in range(7, 12):                                # 7-8 again (a replay), then new steps
+            w.append(worker.make_record(step))
+        w.flush()
+        assert w.stats["rows_skipped_duplicate"] == 2 * worker.ROWS_PER_STEP
+    assert check_worker_rows(GradientStore.open(path)) == set(range(12))
+
+
+def test_a_truncating_flag_an_older_olmo_tda_left_is_cleared_by_the_ranks_own_reopen(tmp_path):
+    """An olmo_tda that rewrote shards on a cut set ``truncating`` while it did, and a crash left it
+    set; the rank's own open reconciles every shard and clears it (else every other rank's writer
+    would stat its shards at every open for good)."""
+    path = tmp_path / "s"
+    with GradientStore.create(path, META, StoreConfig(flush_every=10)) as w:
+        for step in range(10):
+            w.append(worker.make_record(step))
+    manifest = path / "manifest-r00000.json"
+    data = json.loads(manifest.read_text())
+    data["truncating"] = True
+    manifest.write_text(json.dumps(data))
     GradientStore.create(path, META, StoreConfig()).close()
-    assert flag() is False and check_worker_rows(GradientStore.open(path)) == set(range(7))
+    assert json.loads(manifest.read_text())["truncating"] is False
+    assert check_worker_rows(GradientStore.open(path)) == set(range(10))
 
 
 def test_a_flush_renamed_before_its_failure_is_cut_by_a_truncation_before_its_retry(tmp_path, monkeypatch):
@@ -1450,19 +1505,32 @@ def test_crash_at_each_point_of_the_write_protocol(tmp_path, zygote, crash_at):
     assert [s.seq for s in GradientStore.open(path).shards] == list(range(5))
 
 
-def test_crash_inside_truncate_leaves_a_consistent_store_and_truncate_can_be_redone(tmp_path, zygote):
+@pytest.mark.parametrize("at", ["before", "cut", "manifest"])
+def test_crash_inside_truncate_leaves_the_cut_all_or_nothing_and_no_shard_rewritten(tmp_path, zygote, at):
+    """SIGKILL inside truncate_after: before its cut marker is durable nothing is cut; from then on the
+    cut holds for every reader, whatever the manifest says, and the rank's next writer removes the
+    shards it voided. No shard file is ever rewritten: the ones kept are byte for byte as written."""
     path = tmp_path / "s"
     pid = zygote.start("append_loop", path=str(path), start_step=0, flush_every=2, max_steps=10)
     zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "closed")
     assert zygote.wait_exit(pid) == 0
-    pid = zygote.start("truncate_crash", path=str(path), step=4)  # rewrites 4-5, drops 6-9
+    written = {p.name: p.read_bytes() for p in (path / "shards").glob("*.h5")}
+    pid = zygote.start("truncate_crash", path=str(path), step=4, at=at)  # voids step 5 of 4-5, and 6-9
     status = zygote.wait_exit(pid)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    store = GradientStore.open(path)  # files win over the already-rewritten manifest
-    assert check_worker_rows(store) == set(range(10)) and tmp_files(path) == []
+    cut = at != "before"
+    assert check_worker_rows(GradientStore.open(path)) == set(range(5 if cut else 10)) and tmp_files(path) == []
     with GradientStore.create(path, META, StoreConfig(flush_every=2)) as w:
-        w.truncate_after(4)
-    assert check_worker_rows(GradientStore.open(path)) == set(range(5))
+        assert w.stats["shards"] == (3 if cut else 5)
+        assert w.truncate_after(4) == (0 if cut else 5 * worker.ROWS_PER_STEP)
+        for step in range(5, 7):
+            w.append(worker.make_record(step))
+    assert check_worker_rows(GradientStore.open(path)) == set(range(7))
+    after = {p.name: p.read_bytes() for p in (path / "shards").glob("*.h5")}
+    assert {name for name in written if name in after} == {f"r00000-{s:08d}.h5" for s in range(3)}
+    assert all(after[name] == written[name] for name in written if name in after)
+    assert sorted(p.name for p in (path / "shards").glob("*.cut.json")) == \
+        ([f"r00000-{s:08d}.cut.json" for s in (5, 6)] if cut else ["r00000-00000005.cut.json"])
 
 
 def test_disk_full_rlimit_in_subprocess(tmp_path, zygote):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import h5py
@@ -257,10 +259,11 @@ def test_a_shard_that_contradicts_store_json_is_a_corrupt_error_naming_both(tmp_
 @pytest.mark.parametrize("read", [
     lambda s: s.read_all(),
     lambda s: s.read_all(layers=["fc"]),
-    lambda s: s.read_all(steps=[0, 1]),
-    lambda s: s.num_examples,
+    lambda s: s.read_all(steps=[0, 1, 2, 3]),
 ])
-def test_a_reader_opened_before_a_truncate_is_told_to_refresh(tmp_path, read):
+def test_a_reader_opened_before_a_cut_reads_what_it_opened_and_a_refresh_applies_the_cut(tmp_path, read):
+    """A cut never rewrites the shard it runs through: a reader opened before it reads the rows it
+    opened, all checked, and a refresh voids the rows after the cut."""
     path = tmp_path / "s"
     records = [record(s) for s in range(4)]
     with writer(path, flush_every=4) as w:
@@ -268,12 +271,11 @@ def test_a_reader_opened_before_a_truncate_is_told_to_refresh(tmp_path, read):
             w.append(r)
         w.flush()                                 # one shard of 8 rows
         store = GradientStore.open(path)
-        w.truncate_after(1)                       # rewritten under the same name with 4 rows
-        with pytest.raises(StoreError, match=r"r00000-00000000.h5 changed since the store was opened "
-                                             r"\(dataset \w+ has 4 rows where the index says 8\).*refresh\(\)") as exc:
-            read(store)
-        assert type(exc.value) is StoreError              # not damage: nothing to repair
+        w.truncate_after(1)                       # a cut marker: steps 2-3 of that shard are void
+        assert sorted(set(read(store).steps.tolist())) == [0, 1, 2, 3]
         store.refresh()
+        assert store.num_rows == 4 and store.num_examples == 4 and store.steps.tolist() == [0, 1]
+        assert sorted(set(read(store).steps.tolist())) == [0, 1]
         assert_rows(store.read_all(), records[:2])
 
 
@@ -298,9 +300,11 @@ def test_a_reader_opened_before_a_truncate_removed_a_shard_is_told_to_refresh(tm
 
 
 def test_a_shard_replaced_after_hdf5_opened_it_is_not_read_at_the_old_offsets(tmp_path):
+    """Shards are written once, but a file can still be put in one's place by hand (a restore from a
+    copy): a reader that had the old one open does not read the new one at the old offsets."""
     path = tmp_path / "s"
     with writer(path, flush_every=4) as w:
-        for s in range(4):
+        for s in range(8):
             w.append(record(s))
         w.flush()
         shard_path = path / "shards" / "r00000-00000000.h5"
@@ -308,7 +312,8 @@ def test_a_shard_replaced_after_hdf5_opened_it_is_not_read_at_the_old_offsets(tm
             assert shard.read("grads/L0000", np.arange(2)).shape == (2, 3, 5)   # raw file not yet open
             shard._file.close()
             shard._file = None
-            w.truncate_after(1)                   # another file under the shard's name now
+            shutil.copyfile(path / "shards" / "r00000-00000001.h5", path / "shards" / "other.tmp")
+            os.replace(path / "shards" / "other.tmp", shard_path)               # another file under its name
             with pytest.raises(StoreError, match=r"r00000-00000000.h5 changed since the store was opened "
                                                  r"\(another file has its name now\)"):
                 shard.read("grads/L0001")
@@ -396,9 +401,10 @@ def test_verify_finds_a_flipped_bit_inside_a_complete_shard(tmp_path, compressio
 
 
 def test_verify_lists_shards_a_live_writer_truncated_as_changed_not_damaged(tmp_path, capsys):
-    """A reader opened while its writer runs; the writer's ``truncate_after`` (a resume) then rewrites
-    one shard and removes another. ``verify`` lists both as changed while read (not damage: the CLI
-    exits 0), checks the untouched one, and after ``refresh`` checks what is there now."""
+    """A reader opened while its writer runs; the writer's ``truncate_after`` (a resume) then cuts
+    through one shard (never rewriting it) and removes another. ``verify`` lists the removed one as
+    changed while read (not damage: the CLI exits 0), checks the others, and after ``refresh`` checks
+    what is there now."""
     from olmo_tda.cli import main
 
     path = tmp_path / "s"
@@ -409,10 +415,10 @@ def test_verify_lists_shards_a_live_writer_truncated_as_changed_not_damaged(tmp_
         w.flush()                                       # shards 0 (steps 0-1), 1 (2-3), 2 (4-5)
         store = GradientStore.open(path)
         assert [s.file for s in store.shards][-2:] == ["shards/r00000-00000001.h5", "shards/r00000-00000002.h5"]
-        w.truncate_after(2)                             # shard 1 rewritten (step 2 only), shard 2 removed
+        w.truncate_after(2)                             # shard 1 cut through (step 2 live), shard 2 removed
         found = store.verify()
-        assert found["changed"] == ["shards/r00000-00000001.h5", "shards/r00000-00000002.h5"]
-        assert found["damaged"] == [] and found["datasets"] == 6     # shard 0, checked
+        assert found["changed"] == ["shards/r00000-00000002.h5"]
+        assert found["damaged"] == [] and found["datasets"] == 2 * 6     # shards 0 and 1, checked
         assert main(["inspect", str(path), "--verify"]) == 0
         store.refresh()
         again = store.verify()

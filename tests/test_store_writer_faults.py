@@ -9,6 +9,7 @@ against the workers' deterministic rows.
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
@@ -72,22 +73,26 @@ def write_steps(path, steps, flush_every=2):
 # truncate_after that fails part-way
 
 
-def test_truncate_failing_at_the_manifest_changes_nothing_and_its_retry_drops_the_rows(tmp_path, monkeypatch):
+def test_truncate_failing_at_its_cut_marker_changes_nothing_and_its_retry_drops_the_rows(tmp_path, monkeypatch):
     path = tmp_path / "s"
-    w = write_steps(path, range(6))      # shards: steps 0-1, 2-3 (partial below), 4-5 (dropped)
-    monkeypatch.setattr(writer_module, "write_manifest",
-                        fail_once(writer_module.write_manifest, OSError(errno.ENOSPC, "No space left on device")))
+    w = write_steps(path, range(6))      # shards: steps 0-1, 2-3 (cut through below), 4-5 (voided)
+    written = {p.name: p.read_bytes() for p in (path / "shards").iterdir()}
+    monkeypatch.setattr(writer_module, "write_cut",
+                        fail_once(writer_module.write_cut, OSError(errno.ENOSPC, "No space left on device")))
     with pytest.raises(StoreWriteError, match=r"truncate.*failed.*disk is full") as info:
         w.truncate_after(2)
     assert str(path) in str(info.value)
-    assert tmp_files(path) == []                          # the rewritten partial shard is not left behind
+    assert tmp_files(path) == []                          # no half-written marker is left behind
     assert w.stats["rows_truncated"] == 0
     assert sorted({s for _, s in keys_of(GradientStore.open(path))}) == list(range(6))   # nothing dropped yet
 
-    assert w.truncate_after(2) == 3 * ROWS                # the retry redoes it all: steps 3, 4, 5
+    assert w.truncate_after(2) == 3 * ROWS                # the retry does it all: steps 3, 4, 5
     store = GradientStore.open(path)
     assert sorted(set(store.steps.tolist())) == [0, 1, 2] and store.num_rows == 3 * ROWS
-    assert sorted(p.name for p in (path / "shards").iterdir()) == ["r00000-00000000.h5", "r00000-00000001.h5"]
+    assert sorted(p.name for p in (path / "shards").iterdir()) == \
+        ["r00000-00000000.h5", "r00000-00000001.h5", "r00000-00000003.cut.json"]
+    assert all((path / "shards" / name).read_bytes() == data for name, data in written.items()
+               if (path / "shards" / name).exists())     # the shard the cut runs through is not rewritten
     # the resumed run replays steps 3-5: stored once, none mistaken for a duplicate
     for step in range(3, 6):
         w.append(worker.make_record(step))
@@ -99,24 +104,21 @@ def test_truncate_failing_at_the_manifest_changes_nothing_and_its_retry_drops_th
     assert sorted(set(store.steps.tolist())) == list(range(6)) and tmp_files(path) == []
 
 
-def test_truncate_failing_after_the_manifest_leaves_a_readable_store_and_its_retry_converges(tmp_path, monkeypatch):
+def test_truncate_failing_after_its_cut_marker_keeps_the_cut_and_its_retry_converges(tmp_path, monkeypatch):
     path = tmp_path / "s"
-    w = write_steps(path, range(8))      # shards: 0-1, 2-3 (partial), 4-5 and 6-7 (dropped)
-    is_shard = lambda p, *rest: str(p).endswith(".h5")                       # noqa: E731
-    eio = OSError(errno.EIO, "Input/output error")
-    unlink = fail_once(os.unlink, eio, when=is_shard, after=1)   # the 2nd dropped shard cannot be removed
-    monkeypatch.setattr(os, "unlink", unlink)
-    monkeypatch.setattr(os, "remove", unlink)
+    w = write_steps(path, range(8))      # shards: 0-1, 2-3 (cut through), 4-5 and 6-7 (voided)
+    monkeypatch.setattr(writer_module, "write_manifest",
+                        fail_once(writer_module.write_manifest, OSError(errno.EIO, "Input/output error")))
     with pytest.raises(StoreWriteError, match=r"truncate.*failed.*Input/output error"):
         w.truncate_after(2)
     monkeypatch.undo()
     assert tmp_files(path) == []
-    # the files are half truncated; a manifest written now (a flush) must still describe them
-    w.flush()
-    store = GradientStore.open(path)
-    assert sorted(set(store.steps.tolist())) == [0, 1, 2, 6, 7]
+    store = GradientStore.open(path)                      # the durable marker holds, whatever the manifest says
+    assert sorted(set(store.steps.tolist())) == [0, 1, 2]
+    w.flush()                                             # the manifest this writer owes is written now
+    assert json.loads((path / "manifest-r00000.json").read_text())["cuts"] == {"4": 2}
 
-    assert w.truncate_after(2) == 2 * ROWS                # what was left: shard 6-7
+    assert w.truncate_after(2) == 0                       # nothing was left to drop
     assert w.stats["rows_truncated"] == 5 * ROWS          # steps 3-7, once each
     for step in range(3, 8):                              # resume: replayed steps are new rows again
         w.append(worker.make_record(step))
@@ -125,6 +127,24 @@ def test_truncate_failing_after_the_manifest_leaves_a_readable_store_and_its_ret
     store = GradientStore.open(path)
     keys = keys_of(store)
     assert len(keys) == len(set(keys)) == 8 * ROWS and sorted(set(store.steps.tolist())) == list(range(8))
+
+
+def test_a_voided_shard_that_cannot_be_removed_is_left_to_the_ranks_next_writer(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "s"
+    w = write_steps(path, range(8))
+    eio = OSError(errno.EIO, "Input/output error")
+    unlink = fail_once(os.unlink, eio, when=lambda p, *rest: str(p).endswith(".h5"), after=1)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with caplog.at_level("WARNING", logger="olmo_tda.store.writer"):
+        assert w.truncate_after(2) == 5 * ROWS            # the cut is done: its marker and manifest are durable
+    monkeypatch.undo()
+    assert "r00000-00000003.h5, whose rows the cut voids" in caplog.text
+    assert (path / "shards" / "r00000-00000003.h5").exists()
+    assert sorted(set(GradientStore.open(path).steps.tolist())) == [0, 1, 2]
+    w.close()
+    GradientStore.create(path, worker.META, StoreConfig()).close()
+    assert not (path / "shards" / "r00000-00000003.h5").exists()
+    assert sorted(set(GradientStore.open(path).steps.tolist())) == [0, 1, 2]
 
 
 # ---------------------------------------------------------------------------------------------

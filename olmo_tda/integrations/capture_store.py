@@ -166,9 +166,10 @@ def cut_departed_ranks(store: Any, step: int) -> None:
 
 def resume_state(store: Any) -> dict[str, Any]:
     """What a checkpoint records of the store's position, beside its path, id and step: this rank's
-    last durable step (flushed first) and how many truncations its rows have been through."""
+    last durable step (flushed first), how many truncations its rows have been through, and the seq
+    its next shard or cut marker takes."""
     log_id, count = store.timeline()
-    return {"reached": store.reached(), "timeline": count, "timeline_id": log_id}
+    return {"reached": store.reached(), "timeline": count, "timeline_id": log_id, "cut_seq": store.next_seq}
 
 
 def check_rows_continue(store: Any, saved: dict[str, Any] | None, step: int) -> None:
@@ -185,7 +186,8 @@ def check_rows_continue(store: Any, saved: dict[str, Any] | None, step: int) -> 
             return
         why = None
         if saved.get("timeline") is not None:
-            cut = store.rolled_back_below((saved.get("timeline_id"), int(saved["timeline"])), step)
+            cut = store.rolled_back_below((saved.get("timeline_id"), int(saved["timeline"])), step,
+                                          since_seq=saved.get("cut_seq"))
             if cut is not None:
                 why = f"a later resume cut the store back to step {cut}"
         if why is None and saved.get("reached") is not None:

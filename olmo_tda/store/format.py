@@ -5,7 +5,9 @@ A store is a directory::
     store.json                 self-describing metadata, written once (see :mod:`.meta`)
     manifest-r00000.json       per-rank index of that rank's shards + counters (rewritten atomically)
     index/r00000-00000000-*.json  sealed blocks of that index: 256 older shards each, written once
-    shards/r00000-00000000.h5  one HDF5 file per rank per flush; immutable once renamed into place
+    shards/r00000-00000000.h5  one HDF5 file per rank per flush; written once, never changed
+    shards/r00000-00000007.cut.json  a cut marker: rank 0's rows of steps after its ``step`` in the
+                               shards before seq 7 are void (a resume from an earlier checkpoint)
     locks/r00000.lock          held (flock) by the live writer of rank 0; tells readers it is alive
     quarantine/                unreadable shards moved aside by ``repair=True``
     bases/<digest>.safetensors  eigenbasis versions a following basis projected rows with (immutable)
@@ -45,7 +47,7 @@ import json
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,11 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "ShardInfo",
+    "apply_cut",
+    "cut_name",
+    "parse_cut_name",
+    "read_cut",
+    "write_cut",
     "stored_shape",
     "encode_grads",
     "words_as_torch",
@@ -91,6 +98,7 @@ BASES_DIR = "bases"
 TMP_SUFFIX = ".tmp"
 CRC_ATTR = "crc32"
 _SHARD_RE = re.compile(r"^r(\d{5})-(\d{8})\.h5$")
+_CUT_RE = re.compile(r"^r(\d{5})-(\d{8})\.cut\.json$")
 _MANIFEST_RE = re.compile(r"^manifest-r(\d{5})\.json$")
 
 # numpy dtype of the stored words for each store dtype
@@ -259,12 +267,24 @@ class ShardInfo:
     basis: str | None = None
     """Digest of the eigenbasis version its rows were projected with (a basis that follows the run),
     or None (the store's one projection)."""
+    cut: int | None = None
+    """Rows of steps after this one are void: a later cut marker of its rank (:func:`write_cut`)
+    cut the rank back to it. ``num_rows`` and ``step_max`` count the live rows only; the file,
+    never rewritten, holds ``stored_rows``."""
+    stored_rows: int | None = None
+    """Rows in the file when a cut voids some of them (None: ``num_rows``)."""
+
+    @property
+    def file_rows(self) -> int:
+        """Rows in the shard's file, live or void."""
+        return self.num_rows if self.stored_rows is None else self.stored_rows
+
+    def live(self, steps: np.ndarray) -> np.ndarray | None:
+        """The mask of live rows among the file's ``steps``, or None when all are."""
+        return None if self.cut is None else steps <= self.cut
 
     def to_json(self) -> dict[str, Any]:
-        data = dict(self.__dict__)
-        if data["basis"] is None:
-            del data["basis"]
-        return data
+        return {k: v for k, v in self.__dict__.items() if v is not None or k not in _OPTIONAL_FIELDS}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ShardInfo":
@@ -272,7 +292,70 @@ class ShardInfo:
         if basis is not None and not isinstance(basis, str):
             raise ValueError(f"shard {data.get('file')}: basis must be a digest string, got {basis!r}")
         return cls(data["file"], data["rank"], data["seq"], data["num_rows"], data["step_min"], data["step_max"],
-                   data["bytes"], basis)
+                   data["bytes"], basis, data.get("cut"), data.get("stored_rows"))
+
+
+_OPTIONAL_FIELDS = ("basis", "cut", "stored_rows")
+
+
+def apply_cut(root: Path, info: ShardInfo, step: int) -> ShardInfo | None:
+    """``info`` with its rows of steps after ``step`` void (a cut marker after it), or None when none
+    is left. Only a shard the cut runs through is read (its ``steps``); the file is never changed."""
+    if info.step_min > step:
+        return None
+    if info.step_max <= step:
+        return info
+    path = root / info.file
+    try:
+        with open_h5(path) as f:
+            steps = f["steps"][:]
+    except FileNotFoundError:
+        raise
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        raise StoreCorruptError(f"gradient store shard {path} is unreadable ({type(e).__name__}: {e}); open the "
+                                "store with GradientStore.open(path, repair=True) to move it to quarantine/") from e
+    live = steps <= step
+    return replace(info, num_rows=int(live.sum()), step_max=int(steps[live].max()), cut=step,
+                   stored_rows=info.file_rows)
+
+
+def cut_name(rank: int, seq: int) -> str:
+    return f"{SHARD_DIR}/r{rank:05d}-{seq:08d}.cut.json"
+
+
+def parse_cut_name(name: str) -> tuple[int, int] | None:
+    """``(rank, seq)`` of a cut marker's file name (basename), or None for anything else."""
+    m = _CUT_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def write_cut(root: Path, rank: int, seq: int, step: int) -> None:
+    """Cut rank ``rank`` back to ``step``: its rows of later steps in shards before ``seq`` are void.
+    The marker takes the place of shard ``seq`` in the rank's sequence and is durable on return."""
+    write_json_atomic(root / cut_name(rank, seq), {"format": FORMAT_NAME + ".cut", "format_version": 1,
+                                                   "rank": rank, "seq": seq, "step": int(step)})
+
+
+def read_cut(root: Path, rel: str) -> int:
+    """The step of cut marker ``rel``; :class:`StoreCorruptError` naming it if it is not what
+    :func:`write_cut` writes."""
+    path = root / rel
+    parsed = parse_cut_name(path.name)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
+        data, problem = None, f"{type(e).__name__}: {e}"
+    else:
+        problem = "not a cut marker of its rank and seq"
+    if not (isinstance(data, dict) and data.get("format") == FORMAT_NAME + ".cut" and parsed is not None
+            and (data.get("rank"), data.get("seq")) == parsed and type(data.get("step")) is int
+            and data["step"] >= 0):
+        raise StoreCorruptError(f"gradient store cut marker {path} is damaged ({problem}); it voids the rank's "
+                                "rows after a step a resume went back to: restore it from a copy (deleting it "
+                                "would bring an abandoned run's rows back)")
+    return data["step"]
 
 
 def shard_name(rank: int, seq: int) -> str:

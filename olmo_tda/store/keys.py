@@ -71,15 +71,19 @@ class KeyIndex:
 
     def _keys(self, info: ShardInfo) -> dict[int, np.ndarray] | None:
         """The shard's ids by step; None if its file is gone."""
-        if info.file in self._cache:
-            self._cache.move_to_end(info.file)
-            return self._cache[info.file]
+        name = info.file if info.cut is None else f"{info.file}@{info.cut}"     # cut: its live rows
+        if name in self._cache:
+            self._cache.move_to_end(name)
+            return self._cache[name]
         path = os.path.join(self._root, info.file)
         try:
             if not os.path.exists(path):    # HDF5 takes ~30x a stat to fail on a missing file
                 return None
             with open_h5(path) as f:
-                keys = _group_by_step(f["ids"][:], f["steps"][:])
+                ids, steps = f["ids"][:], f["steps"][:]
+            if (live := info.live(steps)) is not None:
+                ids, steps = ids[live], steps[live]
+            keys = _group_by_step(ids, steps)
         except FileNotFoundError:  # another rank truncated it since we scanned
             return None
         except (OSError, KeyError, ValueError, RuntimeError) as e:   # damaged since it was indexed?
@@ -87,7 +91,7 @@ class KeyIndex:
                 f"gradient store shard {path} cannot be read for the duplicate check of step(s) "
                 f"{info.step_min}..{info.step_max} ({type(e).__name__}: {e}); if the file is damaged, restore "
                 "it, or open the store with GradientStore.open(path, repair=True) to quarantine it") from e
-        self._remember(info.file, keys)
+        self._remember(name, keys)
         return keys
 
     def _remember(self, file: str, keys: dict[int, np.ndarray]) -> None:

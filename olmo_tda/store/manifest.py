@@ -13,7 +13,10 @@ speed; **the shard files are the truth**. :func:`scan_store` reconciles the two:
 
 - a shard on disk but not in the manifest (crash between rename and manifest write) is validated
   and adopted;
-- a manifest entry whose file size differs (crash during ``truncate_after``) is re-read from the file;
+- a manifest entry whose file size differs (a file put in its place; or an older olmo_tda's crash
+  while it rewrote a shard on a cut) is re-read from the file;
+- the rank's cut markers, listed with the shards, are applied to every shard before them (a crash
+  after a marker, before the manifest said so, leaves the cut in force);
 - a listed shard that is missing, or any shard that cannot be read, raises :class:`StoreCorruptError`
   naming the file — or, with ``repair=True``, is moved to ``quarantine/`` and dropped from the index;
 - a manifest that is not what a writer writes (a field missing or of the wrong type) raises
@@ -30,10 +33,17 @@ gone. A shard that the manifest still lists and that is not on disk is an error,
 Another rank's lock is taken only to delete its dead writer's debris, never held through the
 reconcile (unless repairing): a resuming run's ranks all open at once, and each one's writer waits
 for its own lock (``LOCK_WAIT_S``) while other ranks' opens would hold it for a long scan each.
-A writer stats another rank's shards only when that rank's manifest has ``truncating`` set (a
-crash inside ``truncate_after`` can leave its files longer than their entries) or lacks the flag;
-a rank's own open reconciles all of its shards and clears it. For a writer, then, another rank's
-manifest stands for its files unless flagged; readers check every shard as above.
+Cuts: ``truncate_after`` never rewrites a shard. It writes a *cut marker*
+``shards/r{rank:05d}-{seq:08d}.cut.json`` (the rank's next seq), which voids the rank's rows of
+later steps in every shard before it, then the manifest (``cuts``, and each cut shard's live
+``num_rows``/``step_max`` with ``cut`` and ``stored_rows``), then removes the shards left with no
+live row. The listed markers are applied at every open, so a crash after the marker leaves the cut
+in force and a shard it voided (not yet removed) is dropped, and removed by the rank's writer.
+
+A writer stats another rank's shards only when that rank's manifest has ``truncating`` set (an
+older olmo_tda, which rewrote shards on a cut, set it while it did) or lacks the flag; a rank's own
+open reconciles all of its shards and clears it. For a writer, then, another rank's manifest stands
+for its files unless flagged; readers check every shard as above.
 """
 
 from __future__ import annotations
@@ -64,9 +74,12 @@ from .format import (
     STORE_JSON,
     TMP_SUFFIX,
     ShardInfo,
+    apply_cut,
     fsync_dir,
+    parse_cut_name,
     parse_manifest_name,
     parse_shard_name,
+    read_cut,
     read_shard_info,
     shard_name,
     write_json_atomic,
@@ -79,7 +92,7 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = ("records_appended", "rows_written", "rows_skipped_nonfinite", "rows_skipped_duplicate",
             "rows_truncated")
-_SHARD_TMP_RE = re.compile(r"^r(\d{5})-\d{8}\.h5" + re.escape(TMP_SUFFIX) + "$")
+_SHARD_TMP_RE = re.compile(r"^r(\d{5})-\d{8}\.(?:h5|cut\.json)" + re.escape(TMP_SUFFIX) + "$")
 _MANIFEST_TMP_RE = re.compile(r"^manifest-r(\d{5})\.json" + re.escape(TMP_SUFFIX) + "$")
 _SEGMENT_RE = re.compile(r"r([0-9]{5})-([0-9]{8})-[0-9a-f]{8}\.json")                     # fullmatch only
 _SEGMENT_ANY_RE = re.compile(r"r([0-9]{5})-[0-9]{8}-[0-9a-f]{8}\.json(" + re.escape(TMP_SUFFIX) + ")?")
@@ -135,13 +148,16 @@ class RankState:
     segments: list[Segment] = field(default_factory=list)
     """The sealed blocks as last written or read, by seq; shards outside them are listed in the manifest."""
     truncating: bool | None = False
-    """True while ``truncate_after`` rewrites shards this manifest already lists shorter (a crash then
-    leaves files longer than their entries); None: read from a manifest written before the flag."""
+    """True in a manifest of an olmo_tda that rewrote shards on a cut, written while it did (a crash
+    then left files longer than their entries); None: read from a manifest written before the flag.
+    Shards are never rewritten now, so it is written False."""
+    cuts: dict[int, int] = field(default_factory=dict)
+    """The rank's cut markers: seq -> the step its earlier shards' rows were cut back to."""
 
     def copy(self) -> "RankState":
         return RankState(rank=self.rank, shards=dict(self.shards), counters=dict(self.counters),
                          next_seq=self.next_seq, truncations=list(self.truncations), log_id=self.log_id,
-                         segments=list(self.segments), truncating=self.truncating)
+                         segments=list(self.segments), truncating=self.truncating, cuts=dict(self.cuts))
 
     def to_json(self, listed: list[int] | None = None) -> dict[str, Any]:
         """The manifest: ``listed`` shards (default all) and the segments, which hold the others."""
@@ -149,7 +165,7 @@ class RankState:
         out = {"format": FORMAT_NAME + ".manifest", "format_version": MANIFEST_VERSION if self.segments else 1,
                "rank": self.rank, "next_seq": self.next_seq, "counters": dict(self.counters),
                "truncations": list(self.truncations), "log_id": self.log_id,
-               "truncating": bool(self.truncating)}
+               "truncating": bool(self.truncating), "cuts": {str(seq): step for seq, step in sorted(self.cuts.items())}}
         entries = [self.shards[s].to_json() for s in listed]
         if self.segments:
             out.update(shards=_V2_SHARDS, recent_shards=entries,
@@ -251,6 +267,10 @@ def _parse_manifest(data: Any, rank: int, path: Path, root: Path) -> RankState:
     state.truncating = data.get("truncating")      # absent: written before the flag, so unknown
     if state.truncating is not None and not isinstance(state.truncating, bool):
         raise damaged("truncating", f"must be true or false, got {state.truncating!r}")
+    cuts = data.get("cuts", {})     # absent: a manifest from before cut markers
+    if not isinstance(cuts, dict) or not all(k.isdigit() and _is_count(v) for k, v in cuts.items()):
+        raise damaged("cuts", f"must map seqs to steps (ints >= 0), got {cuts!r}")
+    state.cuts = {int(k): v for k, v in cuts.items()}
     list_key = "recent_shards" if version >= 2 else "shards"
     shards = data.get(list_key)
     if not isinstance(shards, list):
@@ -347,6 +367,9 @@ def _parse_shards(entries: list[Any], what: str, state: RankState, damaged, seq_
         if seq_range is not None and not seq_range[0] <= entry["seq"] <= seq_range[1]:
             raise damaged(f"{what}[{i}].seq", f"must be in {seq_range[0]}..{seq_range[1]} (the segment's), "
                           f"got {entry['seq']}")
+        for key in ("cut", "stored_rows"):
+            if entry.get(key) is not None and (type(entry[key]) is not int or entry[key] < 0):
+                raise damaged(f"{what}[{i}].{key}", f"must be an int >= 0, got {entry[key]!r}")
         if entry["seq"] in state.shards:
             raise damaged(f"{what}[{i}].seq", f"{entry['seq']} is listed twice")
         info = state.shards[entry["seq"]] = ShardInfo.from_json(entry)
@@ -548,11 +571,29 @@ def _quarantine(root: Path, rel: str, reason: str) -> None:
 
 
 def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, layer_shapes, dtype,
-                    repair: bool, may_modify: bool, check_sizes: bool = True) -> bool:
-    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path). Returns True if changed.
-    ``check_sizes=False``: a listed shard found on disk is taken as listed, without a stat."""
+                    repair: bool, may_modify: bool, check_sizes: bool = True,
+                    cut_files: dict[int, str] | None = None) -> bool:
+    """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path) and the cut markers in
+    ``cut_files`` (seq -> rel path). Returns True if changed. ``check_sizes=False``: a listed shard
+    found on disk is taken as listed, without a stat."""
     changed = False
     on_disk = dict(on_disk)
+    for seq, rel in sorted((cut_files or {}).items()):
+        if seq not in state.cuts:   # written before a crash kept its manifest from saying so
+            state.cuts[seq] = read_cut(root, rel)
+            state.truncations.append(state.cuts[seq])
+            changed = True
+    cut_of = _cuts_after(state.cuts)
+
+    def cut(info: ShardInfo) -> ShardInfo | None:
+        """``info`` as the cut markers after it leave it (None: void; its file goes under ``may_modify``)."""
+        step = cut_of(info.seq)
+        if step is None or info.step_max <= step:
+            return info
+        live = apply_cut(root, info, step)
+        if live is None and may_modify:
+            _remove_void(root, info.file)
+        return live
 
     def unreadable(rel: str, exc: StoreCorruptError) -> None:
         """A shard that failed validation: raise, or quarantine it under ``repair`` — unless a live
@@ -587,6 +628,21 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
             del state.shards[seq]
             changed = True
             continue
+        try:
+            live = cut(info)
+        except FileNotFoundError:   # a void shard its live writer removed after the listing
+            live = None
+        except StoreCorruptError as exc:
+            unreadable(info.file, exc)
+            del state.shards[seq], on_disk[seq]
+            changed = True
+            continue
+        if live is not info:
+            changed = True
+            if live is None:
+                del state.shards[seq], on_disk[seq]
+                continue
+            state.shards[seq] = info = live
         if not check_sizes:
             continue
         try:
@@ -611,9 +667,14 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
         if seq in state.shards:
             continue
         try:
-            info = read_shard_info(root, rel, layer_shapes, dtype)
+            info = cut(read_shard_info(root, rel, layer_shapes, dtype))
         except StoreCorruptError as exc:
             unreadable(rel, exc)
+            continue
+        except FileNotFoundError:
+            continue
+        if info is None:            # void: a cut after it (its writer stopped before removing it)
+            changed = True
             continue
         logger.info("gradient store %s: adopted shard %s missing from the manifest "
                     "(its writer stopped between rename and manifest update)", root, rel)
@@ -621,11 +682,37 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
         state.counters["rows_written"] += info.num_rows
         changed = True
     # seqs only grow, so a shard name is never reused while a reader may still hold the old file
-    next_seq = max([state.next_seq - 1, *on_disk]) + 1
+    next_seq = max([state.next_seq - 1, *on_disk, *(cut_files or {}), *state.cuts]) + 1
     if state.next_seq != next_seq:
         state.next_seq = next_seq
         changed = True
     return changed
+
+
+def _cuts_after(cuts: dict[int, int]):
+    """``seq -> the lowest step of a cut marker after seq`` (None: no cut after it)."""
+    seqs = sorted(cuts)
+    floor, low = [], None
+    for seq in reversed(seqs):      # suffix minima: the earliest step any later marker cut back to
+        low = cuts[seq] if low is None else min(low, cuts[seq])
+        floor.append(low)
+    floor.reverse()
+
+    def after(seq: int) -> int | None:
+        at = bisect_right(seqs, seq)
+        return floor[at] if at < len(seqs) else None
+    return after
+
+
+def _remove_void(root: Path, rel: str) -> None:
+    """Remove a shard whose every row a cut after it voided (the writer does after the cut's manifest)."""
+    try:
+        os.remove(root / rel)
+        logger.info("gradient store %s: removed %s, whose rows a cut marker voids", root, rel)
+    except FileNotFoundError:
+        pass
+    except OSError as e:    # e.g. a read-only mount: harmless, the cut voids its rows for every reader
+        logger.debug("gradient store %s: could not remove %s: %s", root, rel, e)
 
 
 def _unlisted_now(root: Path, rank: int, seq: int) -> bool:
@@ -649,11 +736,14 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
     """
     shard_dir = root / SHARD_DIR
     files: dict[int, dict[int, str]] = {}
+    cut_files: dict[int, dict[int, str]] = {}
     tmps: dict[int, list[Path]] = {}
     for entry in os.scandir(shard_dir) if shard_dir.is_dir() else []:
         parsed = parse_shard_name(entry.name)
         if parsed is not None:
             files.setdefault(parsed[0], {})[parsed[1]] = f"{SHARD_DIR}/{entry.name}"
+        elif (parsed := parse_cut_name(entry.name)) is not None:
+            cut_files.setdefault(parsed[0], {})[parsed[1]] = f"{SHARD_DIR}/{entry.name}"
         elif (m := _SHARD_TMP_RE.match(entry.name)) is not None:
             tmps.setdefault(int(m.group(1)), []).append(Path(entry.path))
     segment_dir = root / SEGMENT_DIR
@@ -674,7 +764,7 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                 pass
 
     states: dict[int, RankState] = {}
-    for rank in sorted(set(files) | manifests | set(tmps)):
+    for rank in sorted(set(files) | manifests | set(tmps) | set(cut_files)):
         if rank != own_rank and not repair:
             # Another rank, read only: its lock is taken just to remove a dead writer's debris, never
             # held through the reconcile (that rank's own writer, resuming now, waits for the lock:
@@ -687,14 +777,14 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                 finally:
                     lock.release()
             state = read_manifest(root, rank) or RankState(rank=rank)
-            # A writer stats another rank's shards only if that rank's manifest says a truncation was
-            # rewriting its shards (or predates the flag): then a crash can have left files longer
-            # than their entries, which no writer of a departed rank would ever reconcile, and a
-            # resume on fewer ranks decides from these entries what to cut. Otherwise the entries are
-            # what the files hold: a resume of R ranks need not make R x (every rank's shards) stats
-            # at once on a parallel filesystem. A reader stats them all (it reads their rows).
+            # A writer stats another rank's shards only if that rank's manifest says an older
+            # olmo_tda was rewriting its shards (or predates the flag): then a crash can have left
+            # files longer than their entries, which no writer of a departed rank would ever
+            # reconcile. Otherwise the entries are what the files hold (never rewritten): a resume
+            # of R ranks need not make R x (every rank's shards) stats at once on a parallel
+            # filesystem. A reader stats them all (it reads their rows).
             _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes, dtype=dtype,
-                            repair=False, may_modify=False,
+                            repair=False, may_modify=False, cut_files=cut_files.get(rank),
                             check_sizes=own_rank is None or state.truncating is not False)
             if state.shards or rank in manifests:
                 states[rank] = state
@@ -724,7 +814,8 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
             state = state or RankState(rank=rank)
             written = state.counters["rows_written"]
             changed = _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes,
-                                      dtype=dtype, repair=repair, may_modify=may_modify)
+                                      dtype=dtype, repair=repair, may_modify=may_modify,
+                                      cut_files=cut_files.get(rank))
             if kept is not None:
                 # its count holds the re-found shards' rows already (so not one written after it, if any)
                 state.counters["rows_written"] = written

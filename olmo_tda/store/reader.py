@@ -22,9 +22,10 @@ is off for sparse id selections and where the OS has no ``posix_fadvise``.
 Each shard's datasets are opened once through HDF5's low-level API, and the contiguous ones (every
 uncompressed store) are read straight from the file at their byte offsets (:class:`_ShardReader`):
 h5py's per-call overhead made a small shard cost more to open and read than to score. Each dataset is
-checked when it is first opened: its rows against the index (a writer's ``truncate_after`` rewrites a
-shard under its name: :class:`StoreError`, call :meth:`GradientStore.refresh`), a gradient dataset's
-row shape and dtype against ``store.json`` (:class:`StoreCorruptError`).
+checked when it is first opened: its rows against the index (a file put under a shard's name since
+the open: :class:`StoreError`, call :meth:`GradientStore.refresh`), a gradient dataset's row shape and
+dtype against ``store.json`` (:class:`StoreCorruptError`). Shards are never rewritten: a cut marker
+voids the rows after its step (``ShardInfo.cut``), and readers leave them out.
 
 Every read checks checksums: before a shard's rows are handed out, each dataset the read needs (the
 key columns and the selected layers) is read whole once and compared with the CRC-32 its writer
@@ -343,8 +344,11 @@ class GradientStore:
             ids, steps = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
             for info in self.shards:
                 with self._reader(info) as shard:
-                    ids.append(np.unique(shard.read("ids")))
-                    steps.append(np.unique(shard.read("steps")))
+                    shard_ids, shard_steps = shard.read("ids"), shard.read("steps")
+                if (live := info.live(shard_steps)) is not None:
+                    shard_ids, shard_steps = shard_ids[live], shard_steps[live]
+                ids.append(np.unique(shard_ids))
+                steps.append(np.unique(shard_steps))
             self._key_summary = (int(len(np.unique(np.concatenate(ids)))), np.unique(np.concatenate(steps)))
         return self._key_summary
 
@@ -414,9 +418,11 @@ class GradientStore:
             with shard:
                 if not self._sums_match(info, shard, needed):
                     continue
-                shard_steps = shard.read("steps")     # checked to hold the index's info.num_rows rows
+                shard_steps = shard.read("steps")     # checked to hold the index's info.file_rows rows
                 shard_ids = shard.read("ids")
-                mask = np.ones(len(shard_steps), dtype=bool)
+                mask = info.live(shard_steps)         # a cut marker after the shard voids its later rows
+                if mask is None:
+                    mask = np.ones(len(shard_steps), dtype=bool)
                 if step_set is not None:
                     mask &= np.isin(shard_steps, step_set)
                 if id_set is not None:
@@ -609,13 +615,13 @@ class _ShardReader:
         """``name`` holds the index's rows and, for a gradient dataset, ``store.json``'s row shape and dtype."""
         exp = self.expected
         layer, row_shape = exp.grads.get(name, (None, ()))
-        if not shape or shape[0] != exp.info.num_rows:
+        if not shape or shape[0] != exp.info.file_rows:
             rows = shape[0] if shape else "no"
             if self._size() != exp.info.bytes:
-                raise self._changed(f"dataset {name} has {rows} rows where the index says {exp.info.num_rows}")
+                raise self._changed(f"dataset {name} has {rows} rows where the index says {exp.info.file_rows}")
             raise StoreCorruptError(
                 f"gradient store shard {self.path}: dataset {name} has {rows} rows but {exp.manifest.name} "
-                f"lists the shard with {exp.info.num_rows}; the shard or the manifest is damaged. Move "
+                f"lists the shard with {exp.info.file_rows}; the shard or the manifest is damaged. Move "
                 f"{exp.manifest} aside and open the store with GradientStore.open(path, repair=True) to "
                 "rebuild the manifest from the shard files (and quarantine the shard if it is unreadable)")
         if layer is not None and (shape[1:] != row_shape or dtype != exp.words):
@@ -624,7 +630,7 @@ class _ShardReader:
                 f"{exp.store_json} says layer {layer!r} is stored as {row_shape} {exp.words}; one of the two "
                 f"is damaged or was edited: restore it from a copy")
         if layer is None and len(shape) != 1:
-            raise self._damaged(name, f"has shape {shape}, expected ({exp.info.num_rows},)")
+            raise self._damaged(name, f"has shape {shape}, expected ({exp.info.file_rows},)")
 
     def _size(self) -> int:
         """Bytes of the file this reader has open (not of whatever now has its name)."""

@@ -42,18 +42,16 @@ from .format import (
     SHARD_DIR,
     STORE_JSON,
     ShardInfo,
-    commit_shard,
+    apply_cut,
     disk_dtype,
     finite_words,
     fsync_dir,
     stored_shape,
-    open_h5,
     torch_dtype,
-    prepare_shard,
     publish_json_once,
-    read_shard_info,
     shard_name,
     words_as_torch,
+    write_cut,
     write_shard,
 )
 from .keys import KeyIndex, StepKeys
@@ -223,12 +221,12 @@ class StoreWriter:
     def truncate_after(self, step: int) -> int:
         """Drop this rank's rows with step > ``step`` (buffered and on disk); return how many.
 
-        For resuming from an older checkpoint. Affected shards are rewritten atomically; if the
-        process dies part-way the store stays consistent and calling this again completes it. If
-        it raises :class:`StoreWriteError` (a full disk), the buffered rows are untouched and the
-        store stays consistent: call it again (after freeing space) before appending. It returns
-        the rows it dropped itself (rows a failed call had already dropped from shard files are
-        counted in ``stats["rows_truncated"]`` only).
+        For resuming from an older checkpoint. No shard is rewritten: a durable cut marker voids
+        the rows, all at once (a process killed before it changed nothing; after it, the cut holds).
+        If it raises :class:`StoreWriteError` (a full disk) before the marker, nothing changed;
+        after, the cut holds and the manifest is written at the next flush: either way call it
+        again before appending. It returns the rows it dropped itself (a failed call's are counted
+        in ``stats["rows_truncated"]`` only).
         """
         self._check_open()
         dropped = self._command("truncate", int(step))
@@ -305,16 +303,28 @@ class StoreWriter:
         with self._mutex:
             return self._state.log_id, len(self._state.truncations)
 
-    def rolled_back_below(self, timeline: tuple[str, int] | int, step: int) -> int | None:
-        """The first step this rank's rows were truncated after, below ``step``, since the checkpoint
-        that recorded ``timeline`` (:meth:`timeline`) was saved: it then belongs to a run a later
-        resume from an earlier checkpoint abandoned. None when there was no such truncation. A log
-        rebuilt since (``repair``: another id) holds only truncations after the checkpoint, all
-        checked."""
-        log_id, count = timeline if isinstance(timeline, (tuple, list)) else (None, timeline)
+    @property
+    def next_seq(self) -> int:
+        """The seq this rank's next shard or cut marker takes: a checkpoint records it, so a later
+        resume can tell the cuts made since (:meth:`rolled_back_below`)."""
         with self._mutex:
-            log, current = list(self._state.truncations), self._state.log_id
-        since = log if log_id is not None and log_id != current else log[count:]
+            return self._state.next_seq
+
+    def rolled_back_below(self, timeline: tuple[str, int] | int, step: int, since_seq: int | None = None
+                          ) -> int | None:
+        """The first step this rank's rows were truncated after, below ``step``, since the checkpoint
+        that recorded ``since_seq`` (:attr:`next_seq`) or, before cut markers, ``timeline``
+        (:meth:`timeline`) was saved: it then belongs to a run a later resume from an earlier
+        checkpoint abandoned. None when there was no such truncation. By ``since_seq`` the cut
+        markers after it are read, which a rebuilt manifest keeps; by ``timeline``, a log rebuilt
+        since (``repair``: another id) is taken to hold only truncations after the checkpoint."""
+        with self._mutex:
+            log, current, cuts = list(self._state.truncations), self._state.log_id, dict(self._state.cuts)
+        if since_seq is not None:
+            since = [cut for seq, cut in sorted(cuts.items()) if seq >= since_seq]
+        else:
+            log_id, count = timeline if isinstance(timeline, (tuple, list)) else (None, timeline)
+            since = log if log_id is not None and log_id != current else log[count:]
         return next((cut for cut in since if cut < step), None)
 
     def departed_after(self, step: int, world_size: int) -> list[int]:
@@ -617,99 +627,59 @@ class StoreWriter:
     def _truncate(self, step: int) -> int:
         """Drop the rows of steps after ``step`` (window and this rank's shards); return how many.
 
-        Memory changes only once the files have: the truncated index is built on a copy, then the
-        partial shards are rewritten under temp names, the manifest written (``truncating`` set if
-        any was rewritten), the rewritten shards renamed into place, the dropped ones removed, and
-        the manifest written again without the flag. A failure before the manifest changes
-        nothing; one after it (the files half changed) re-indexes the affected shards from their
-        files, so a later manifest never lists a missing file and duplicate checks see what is
-        stored. Either way calling this again does what is left. A crash in between leaves files
-        that disagree with the manifest; files win at the next open (the truncation is then partly
-        or not applied) and calling this again completes it.
+        No shard is rewritten: a cut marker (:func:`~.format.write_cut`, the next seq of the rank) is
+        made durable first, and from then on every reader voids the rows after ``step`` of the rank's
+        earlier shards, whatever happens next. Then the manifest says so (the cut shards' live rows,
+        the voided ones gone), and the shards holding no live row are removed. A failure before the
+        marker changes nothing; a crash after it leaves the cut in force (the next open of the rank
+        finishes it); calling this again cuts at the same step again, which changes nothing more.
         """
         state = self._state
         # a failed flush whose shard was renamed into place before the failure (its folder's fsync)
         # left that file at next_seq, unindexed; its rows are still in the window, which is retried
-        # under that name: remove it, or this cut would leave its later rows for the next open to adopt
+        # under another name: remove it, or the next open would adopt its rows after this cut
         stray = self.path / shard_name(self.rank, state.next_seq)
         if stray.exists():
             stray.unlink()
             fsync_dir(stray.parent)
-        gone = [info for info in state.shards.values() if info.step_min > step]
-        partial = [info for info in state.shards.values() if info.step_min <= step < info.step_max]
-        prepared: list[tuple[Path, ShardInfo]] = []
-        removed: list[ShardInfo] = []
-        manifest_written = False
-        try:
-            for info in partial:
-                chunk = _read_rows_up_to(self.path / info.file, step, len(self.layers))
-                prepared.append(prepare_shard(self.path, self.rank, info.seq, [chunk], len(self.layers),
-                                              self.dtype, self._config.compression, info.basis))
-            truncated = state.copy()
-            truncated.truncations.append(int(step))
-            # set while the files lag the manifest: other ranks' writers then stat these shards (and
-            # kept from a failed truncation of this session, whose entries may lag until a reopen)
-            truncated.truncating = bool(prepared) or state.truncating is True
-            for info in gone:
-                del truncated.shards[info.seq]
-            for _, new in prepared:
-                truncated.shards[new.seq] = new
-            dropped = (self._window.rows_after(step) + sum(info.num_rows for info in gone)
-                       + sum(info.num_rows for info in partial) - sum(new.num_rows for _, new in prepared))
-            truncated.counters["rows_truncated"] += dropped
-            write_manifest(self.path, truncated)
-            manifest_written = True
-            for tmp, new in prepared:
-                commit_shard(self.path, tmp, new)
-            for info in gone:
-                (self.path / info.file).unlink(missing_ok=True)  # missing: removed by a failed earlier try
-                removed.append(info)
-            if gone:
-                fsync_dir(self.path / SHARD_DIR)
-            if prepared:
-                truncated.truncating = state.truncating is True
-                write_manifest(self.path, truncated)
-        except BaseException:
-            for tmp, _ in prepared:  # committed ones are gone already; commit_shard removes a failed one
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-            if manifest_written:
-                self._index_files_as_they_are(removed, partial, step)
-            raise
+        cut = state.copy()
+        gone: list[ShardInfo] = []
+        dropped = self._window.rows_after(step)
+        for info in state.shards.values():
+            if info.step_max > step:
+                live = apply_cut(self.path, info, step)   # reads only a shard the cut runs through
+                dropped += info.num_rows - (live.num_rows if live is not None else 0)
+                if live is None:
+                    gone.append(info)
+                    del cut.shards[info.seq]
+                else:
+                    cut.shards[info.seq] = live
+        seq = state.next_seq
+        write_cut(self.path, self.rank, seq, step)     # from here on the cut holds
+        cut.next_seq, cut.cuts[seq] = seq + 1, int(step)
+        cut.truncations.append(int(step))
+        cut.counters["rows_truncated"] += dropped
         self._window.drop_steps_after(step)
         self._window_keys = {s: v for s, v in self._window_keys.items() if s <= step}
         self._window_nonfinite = [(s, i) for s, i in self._window_nonfinite if s <= step]
         with self._mutex:
-            self._state = truncated
+            self._state = cut
         self._rebuild_index()
+        self._manifest_dirty = True
+        write_manifest(self.path, cut)     # a failure here: the next flush or open writes it
+        self._manifest_dirty = False
+        for info in gone:                   # after the manifest that no longer names them
+            try:
+                (self.path / info.file).unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:            # the cut voids its rows anyway; the rank's next open retries
+                logger.warning("gradient store %s: could not remove %s, whose rows the cut voids (%s); the "
+                               "rank's next writer removes it", self.path, info.file, describe_os_error(e))
         if dropped:
-            logger.info("gradient store %s: rank %d truncated after step %d: %d rows dropped",
+            logger.info("gradient store %s: rank %d cut back after step %d: %d rows dropped",
                         self.path, self.rank, step, dropped)
         return dropped
-
-    def _index_files_as_they_are(self, removed: list[ShardInfo], rewritten: list[ShardInfo], step: int) -> None:
-        """After a truncation after ``step`` failed part-way through its file changes: drop the shards
-        it removed from the index and re-read the ones it may have rewritten from their files (the
-        rows gone from both are counted as truncated), then look keys up in the files as they are
-        now. The truncation stays logged, as in the manifest written."""
-        shapes = [stored_shape(layer) for layer in self.meta["layers"]]
-        fresh = {}
-        for info in rewritten:
-            with contextlib.suppress(StoreError):  # unreadable now: the next open re-reads it anyway
-                fresh[info.seq] = read_shard_info(self.path, info.file, shapes, self.dtype)
-        with self._mutex:
-            # an entry not re-read may describe more rows than its file now holds: the manifests
-            # this writer writes keep saying so, and other ranks' writers stat this rank's shards
-            self._state.truncating = len(fresh) < len(rewritten) or self._state.truncating is not False
-            self._state.truncations.append(int(step))
-            for info in removed:
-                del self._state.shards[info.seq]
-                self._state.counters["rows_truncated"] += info.num_rows
-            for seq, info in fresh.items():
-                self._state.counters["rows_truncated"] += self._state.shards[seq].num_rows - info.num_rows
-                self._state.shards[seq] = info
-        self._manifest_dirty = True  # the manifest written describes the truncation, not the files
-        self._rebuild_index()
 
     def _rebuild_index(self) -> None:
         self._index = KeyIndex(self.path, [*self._state.shards.values(), *self._other_shards])
@@ -837,15 +807,6 @@ class _Window:
 def _rows(grads: "torch.Tensor | LowRank") -> "torch.Tensor":
     """The on-disk row layout of a layer's gradients (LoRIF factors packed as ``[N, Ko + Ki, c]``)."""
     return grads.packed() if isinstance(grads, LowRank) else grads
-
-
-def _read_rows_up_to(path: Path, step: int, num_layers: int) -> dict[str, Any]:
-    """The rows of one shard with ``steps <= step``, in the chunk layout of :func:`prepare_shard`."""
-    with open_h5(path) as f:
-        keep = f["steps"][:] <= step
-        return {"ids": f["ids"][:][keep], "steps": f["steps"][:][keep], "lr": f["lr"][:][keep],
-                "loss_scale": f["loss_scale"][:][keep],
-                "grads": [f[f"grads/L{i:04d}"][:][keep] for i in range(num_layers)]}
 
 
 def _make_writable_dir(root: Path, rank: int) -> None:
