@@ -41,7 +41,8 @@ from olmo_tda.store import (
 )
 from olmo_tda.store import manifest as manifest_module
 from olmo_tda.store import writer as writer_module
-from olmo_tda.store.manifest import RankLock
+from olmo_tda.store import locks as locks_module
+from olmo_tda.store.locks import RankLock
 
 META = worker.META
 LAYERS = [layer["name"] for layer in worker.LAYERS]
@@ -895,7 +896,7 @@ def test_another_ranks_open_never_holds_a_ranks_lock_through_its_scan(tmp_path, 
     rec.ids += 1000
     with GradientStore.create(path, META, StoreConfig(), rank=1) as w:
         w.append(rec)
-    monkeypatch.setattr(manifest_module, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(locks_module, "LOCK_WAIT_S", 0.3)
     reading, release = threading.Event(), threading.Event()
     read_manifest = manifest_module.read_manifest
 
@@ -1126,7 +1127,7 @@ def test_a_flush_renamed_before_its_failure_is_cut_by_a_truncation_before_its_re
 
 
 def test_second_writer_of_the_same_rank_is_refused_and_ranks_are_independent(tmp_path, monkeypatch):
-    monkeypatch.setattr(manifest_module, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(locks_module, "LOCK_WAIT_S", 0.2)
     path = tmp_path / "s"
     w0 = GradientStore.create(path, META, StoreConfig(flush_every=1))
     with pytest.raises(StoreError, match="already being written"):

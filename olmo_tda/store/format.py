@@ -47,7 +47,7 @@ import json
 import os
 import re
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +63,6 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "ShardInfo",
-    "apply_cut",
-    "cut_name",
-    "parse_cut_name",
-    "read_cut",
-    "write_cut",
     "stored_shape",
     "encode_grads",
     "words_as_torch",
@@ -98,7 +93,6 @@ BASES_DIR = "bases"
 TMP_SUFFIX = ".tmp"
 CRC_ATTR = "crc32"
 _SHARD_RE = re.compile(r"^r(\d{5})-(\d{8})\.h5$")
-_CUT_RE = re.compile(r"^r(\d{5})-(\d{8})\.cut\.json$")
 _MANIFEST_RE = re.compile(r"^manifest-r(\d{5})\.json$")
 
 # numpy dtype of the stored words for each store dtype
@@ -296,66 +290,6 @@ class ShardInfo:
 
 
 _OPTIONAL_FIELDS = ("basis", "cut", "stored_rows")
-
-
-def apply_cut(root: Path, info: ShardInfo, step: int) -> ShardInfo | None:
-    """``info`` with its rows of steps after ``step`` void (a cut marker after it), or None when none
-    is left. Only a shard the cut runs through is read (its ``steps``); the file is never changed."""
-    if info.step_min > step:
-        return None
-    if info.step_max <= step:
-        return info
-    path = root / info.file
-    try:
-        with open_h5(path) as f:
-            steps = f["steps"][:]
-    except FileNotFoundError:
-        raise
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
-        raise StoreCorruptError(f"gradient store shard {path} is unreadable ({type(e).__name__}: {e}); open the "
-                                "store with GradientStore.open(path, repair=True) to move it to quarantine/") from e
-    live = steps <= step
-    return replace(info, num_rows=int(live.sum()), step_max=int(steps[live].max()), cut=step,
-                   stored_rows=info.file_rows)
-
-
-def cut_name(rank: int, seq: int) -> str:
-    return f"{SHARD_DIR}/r{rank:05d}-{seq:08d}.cut.json"
-
-
-def parse_cut_name(name: str) -> tuple[int, int] | None:
-    """``(rank, seq)`` of a cut marker's file name (basename), or None for anything else."""
-    m = _CUT_RE.match(name)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def write_cut(root: Path, rank: int, seq: int, step: int) -> None:
-    """Cut rank ``rank`` back to ``step``: its rows of later steps in shards before ``seq`` are void.
-    The marker takes the place of shard ``seq`` in the rank's sequence and is durable on return."""
-    write_json_atomic(root / cut_name(rank, seq), {"format": FORMAT_NAME + ".cut", "format_version": 1,
-                                                   "rank": rank, "seq": seq, "step": int(step)})
-
-
-def read_cut(root: Path, rel: str) -> int:
-    """The step of cut marker ``rel``; :class:`StoreCorruptError` naming it if it is not what
-    :func:`write_cut` writes."""
-    path = root / rel
-    parsed = parse_cut_name(path.name)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:
-        data, problem = None, f"{type(e).__name__}: {e}"
-    else:
-        problem = "not a cut marker of its rank and seq"
-    if not (isinstance(data, dict) and data.get("format") == FORMAT_NAME + ".cut" and parsed is not None
-            and (data.get("rank"), data.get("seq")) == parsed and type(data.get("step")) is int
-            and data["step"] >= 0):
-        raise StoreCorruptError(f"gradient store cut marker {path} is damaged ({problem}); it voids the rank's "
-                                "rows after a step a resume went back to: restore it from a copy (deleting it "
-                                "would bring an abandoned run's rows back)")
-    return data["step"]
 
 
 def shard_name(rank: int, seq: int) -> str:

@@ -48,7 +48,6 @@ for its files unless flagged; readers check every shard as above.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -64,28 +63,26 @@ from typing import Any
 from olmo_tda.config import StoreDType
 from olmo_tda.errors import TDAError
 
+from .cuts import apply_cut, cuts_after, parse_cut_name, read_cut
+from .locks import RankLock
 from .errors import StoreCorruptError, StoreError, describe_os_error
 from .format import (
     FORMAT_NAME,
-    LOCK_DIR,
     QUARANTINE_DIR,
     SEGMENT_DIR,
     SHARD_DIR,
     STORE_JSON,
     TMP_SUFFIX,
     ShardInfo,
-    apply_cut,
     fsync_dir,
-    parse_cut_name,
     parse_manifest_name,
     parse_shard_name,
-    read_cut,
     read_shard_info,
     shard_name,
     write_json_atomic,
 )
 
-__all__ = ["COUNTERS", "SEAL_SHARDS", "RankState", "Segment", "RankLock", "manifest_path", "read_manifest",
+__all__ = ["COUNTERS", "SEAL_SHARDS", "RankState", "Segment", "manifest_path", "read_manifest",
            "write_manifest", "remove_unlisted_segments", "scan_store"]
 
 logger = logging.getLogger(__name__)
@@ -463,85 +460,6 @@ def remove_unlisted_segments(root: Path, rank: int) -> None:
             logger.debug("gradient store %s: could not remove %s: %s", root, path, e)
 
 
-LOCK_WAIT_S = 5.0
-"""How long a new writer waits for its rank's lock: readers and other ranks' writers take it briefly
-while scanning for a dead writer's debris (concurrent start of several ranks), a live writer keeps it."""
-
-
-class RankLock:
-    """An exclusive ``flock`` on ``locks/r{rank}.lock``, held by a rank's writer while it is alive.
-
-    The kernel drops it when the process dies (also on SIGKILL), so a lock that can be taken means
-    that rank's ``*.tmp`` files are debris. On filesystems without flock support the lock is a no-op
-    (``held`` is False) and tmp files of other ranks are then never deleted.
-    """
-
-    def __init__(self, fd: int | None, path: Path):
-        self._fd = fd
-        self.path = path
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    @classmethod
-    def acquire_for_writing(cls, root: Path, rank: int) -> "RankLock":
-        path = root / LOCK_DIR / f"r{rank:05d}.lock"
-        try:
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise StoreError(f"cannot create the writer lock {path} of rank {rank} in gradient store {root}: "
-                             f"{describe_os_error(e)}") from e
-        deadline = time.monotonic() + LOCK_WAIT_S
-        try:
-            while True:   # another rank's scan holds this lock for milliseconds: wait that out
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise
-                    time.sleep(0.02)
-        except BlockingIOError:
-            os.close(fd)
-            raise StoreError(
-                f"rank {rank} of gradient store {root} is already being written (lock {path} is held "
-                "by another writer, in this or another process); close it first, or give each "
-                "process its own rank") from None
-        except OSError as e:
-            os.close(fd)
-            logger.warning("gradient store %s: flock unsupported here (%s); concurrent writers of "
-                           "rank %d will not be detected", root, e, rank)
-            return cls(None, path)
-        return cls(fd, path)
-
-    @classmethod
-    def try_acquire(cls, root: Path, rank: int) -> "RankLock | None":
-        """The lock if no live writer holds it (a missing lock file: no writer ever ran), else None."""
-        path = root / LOCK_DIR / f"r{rank:05d}.lock"
-        try:
-            fd = os.open(path, os.O_RDONLY)  # read-only suffices for flock; works on a read-only mount
-        except FileNotFoundError:
-            return cls(None, path)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return None  # held by a live writer, or flock unsupported: assume alive
-        return cls(fd, path)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            finally:
-                os.close(self._fd)
-                self._fd = None
-
-
 def _remove_debris(path: Path) -> None:
     try:
         os.remove(path)
@@ -583,7 +501,7 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
             state.cuts[seq] = read_cut(root, rel)
             state.truncations.append(state.cuts[seq])
             changed = True
-    cut_of = _cuts_after(state.cuts)
+    cut_of = cuts_after(state.cuts)
 
     def cut(info: ShardInfo) -> ShardInfo | None:
         """``info`` as the cut markers after it leave it (None: void; its file goes under ``may_modify``)."""
@@ -687,21 +605,6 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
         state.next_seq = next_seq
         changed = True
     return changed
-
-
-def _cuts_after(cuts: dict[int, int]):
-    """``seq -> the lowest step of a cut marker after seq`` (None: no cut after it)."""
-    seqs = sorted(cuts)
-    floor, low = [], None
-    for seq in reversed(seqs):      # suffix minima: the earliest step any later marker cut back to
-        low = cuts[seq] if low is None else min(low, cuts[seq])
-        floor.append(low)
-    floor.reverse()
-
-    def after(seq: int) -> int | None:
-        at = bisect_right(seqs, seq)
-        return floor[at] if at < len(seqs) else None
-    return after
 
 
 def _remove_void(root: Path, rel: str) -> None:

@@ -42,7 +42,6 @@ from .format import (
     SHARD_DIR,
     STORE_JSON,
     ShardInfo,
-    apply_cut,
     disk_dtype,
     finite_words,
     fsync_dir,
@@ -51,11 +50,12 @@ from .format import (
     publish_json_once,
     shard_name,
     words_as_torch,
-    write_cut,
     write_shard,
 )
+from .cuts import apply_cut, write_cut
 from .keys import KeyIndex, StepKeys
-from .manifest import RankLock, RankState, remove_unlisted_segments, scan_store, write_manifest
+from .locks import RankLock
+from .manifest import RankState, remove_unlisted_segments, scan_store, write_manifest
 from .meta import build_store_meta, check_meta_compatible, load_store_json
 from .record import GradientRecord, LowRank
 
