@@ -9,12 +9,13 @@ Example (OLMo; the same as ``olmo-tda train configs/demo_tiny.yaml``)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
-__all__ = ["decided_on_rank0", "end_failed_rank", "one_of_several_ranks", "quiet_olmo_warnings",
+__all__ = ["closed_on_error", "decided_on_rank0", "end_failed_rank", "one_of_several_ranks", "quiet_olmo_warnings",
            "sum_and_max_over_ranks", "sum_over_ranks", "torchrun_restart_warning"]
 
 
@@ -44,6 +45,21 @@ def end_failed_rank(status: int) -> NoReturn:
             pass
     logging.shutdown()
     os._exit(status)
+
+
+@contextlib.contextmanager
+def closed_on_error(close: Callable[[], Any]) -> Iterator[None]:
+    """Starting a TDA session: if the block raises (a refusal), ``close()`` what it opened so far (the
+    store's writer lock above all) and re-raise the block's error; a failure of ``close`` itself is
+    logged, never raised over the error that says what was wrong."""
+    try:
+        yield
+    except BaseException:
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - the block's error is the one to report
+            logging.getLogger(__name__).exception("tda: closing what was opened before the error below failed")
+        raise
 
 
 def quiet_olmo_warnings() -> None:

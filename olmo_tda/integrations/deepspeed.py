@@ -60,7 +60,7 @@ from ..store import GradientRecord
 from ..store.record import cat_rows
 from ..training.callbacks import Callback, Callbacks, StepEnd
 from ..training.metrics import MetricsLogger
-from . import decided_on_rank0, sum_and_max_over_ranks, sum_over_ranks
+from . import closed_on_error, decided_on_rank0, sum_and_max_over_ranks, sum_over_ranks
 from .capture_store import CaptureStore
 from .deepspeed_selection import DeepSpeedSelection, check_selection_log, rounds_up_to  # noqa: F401 - re-exported
 
@@ -262,7 +262,7 @@ class DeepSpeedTDA:
             return
         _refuse_start(engine, config, capture)
         self.capture = capture if capture is not None else GradientCapture(engine.module, config.capture)
-        try:
+        with closed_on_error(self.close):     # a refusal while starting: nothing opened stays open
             self._open_outputs(config)
             self.run_callbacks = Callbacks([*config.callbacks, *callbacks])
             # DeepSpeed's own W&B monitor logs the tda/* events at its samples step (below): a second
@@ -274,12 +274,6 @@ class DeepSpeedTDA:
             for name in _WRAPPED:
                 if hasattr(type(engine), name):      # `scale` (manual backward) is DeepSpeed >= 0.18
                     setattr(engine, name, getattr(self, f"_{name}"))
-        except BaseException:       # a refusal while starting: nothing opened stays open (the store's lock)
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001 - the refusal is the error to report
-                log.exception("tda: closing what was opened before the error below failed")
-            raise
         self._step_clock = time.perf_counter()
         self._atexit = partial(_close_at_exit, weakref.WeakMethod(self.close))
         atexit.register(self._atexit)

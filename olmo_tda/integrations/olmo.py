@@ -62,7 +62,7 @@ from ..capture.eigenbasis import estimate_eigenbasis
 from ..config import CaptureConfig, ConfigError, ProjectionType, TDAConfig
 from ..training.callbacks import Callback, Callbacks, StepEnd
 from ..training.metrics import MetricsLogger
-from . import sum_and_max_over_ranks
+from . import closed_on_error, sum_and_max_over_ranks
 from .capture_store import CaptureStore
 from .olmo_selection import OLMoSelection, RestartableLoader
 
@@ -180,7 +180,7 @@ class TDATrainer(Trainer):
                 log.warning("tda: tda.enabled is false, so the callbacks %s do not run", given)
             return
         tda_dir = Path(self.cfg.save_folder) / "tda"
-        try:
+        with closed_on_error(self._release_tda):    # a refusal while starting: nothing opened stays open
             self.run_callbacks = Callbacks([*self.tda.callbacks, *given])
             if self.tda.store.enabled:
                 self.capture = GradientCapture(self.dist_model, self._with_basis(self.tda.capture))
@@ -200,12 +200,6 @@ class TDATrainer(Trainer):
                 self.trajectory = Trajectory(self.tda.trajectory, self.tda.trajectory.path or tda_dir / "trajectory",
                                              projector_hash=self.capture.projector_hash if self.capture else None,
                                              rank=_rank())
-        except BaseException:       # a refusal while starting: nothing opened stays open (the store's lock)
-            try:
-                self._release_tda()
-            except Exception:  # noqa: BLE001 - the refusal is the error to report
-                log.exception("tda: releasing what was opened before the error below failed")
-            raise
 
     @property
     def store(self):
