@@ -40,6 +40,7 @@ from olmo_tda.store import (
     StoreWriter,
 )
 from olmo_tda.store import manifest as manifest_module
+from olmo_tda.store import window as window_module
 from olmo_tda.store import writer as writer_module
 from olmo_tda.store import locks as locks_module
 from olmo_tda.store.locks import RankLock
@@ -216,9 +217,9 @@ def test_windows_reuse_their_buffers_and_only_the_structure_passes_through_memor
 def test_a_window_grown_past_the_flush_bound_is_released_once_written(tmp_path):
     """Segments beyond what ``flush_mb`` needs (the window grew while the disk failed) are freed by
     the write that empties them; rows keep their order through a truncation and later appends."""
-    from olmo_tda.store.writer import _Window
+    from olmo_tda.store.window import Window
 
-    window = _Window([(8, 8)], np.float32, keep_bytes=300 * 8 * 8 * 4)
+    window = Window([(8, 8)], np.float32, keep_bytes=300 * 8 * 8 * 4)
 
     def append(step, rows=30):
         seg, lo = window.reserve(rows)
@@ -244,12 +245,12 @@ def test_steady_windows_at_the_flush_bound_reuse_every_segment(tmp_path, monkeyp
     writer keeps all of them, so no window after the first allocates (record-end waste included)."""
     made = []
 
-    class Counted(writer_module._Segment):
+    class Counted(window_module.WindowSegment):
         def __init__(self, *args):
             super().__init__(*args)
             made.append(self.capacity)
 
-    monkeypatch.setattr(writer_module, "_Segment", Counted)
+    monkeypatch.setattr(window_module, "WindowSegment", Counted)
     layers = [{"name": "l0", "shape": [8, 8], "projector": {"seed": 0}}]
     meta = {**META, "layers": layers}
     config = StoreConfig(flush_every=10 ** 6, flush_mb=1000 * 8 * 8 * 4 / 2 ** 20)   # a window: >= 1000 rows
