@@ -628,15 +628,13 @@ def _unlisted_now(root: Path, rank: int, seq: int) -> bool:
     return now is not None and seq not in now.shards
 
 
-def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreDType, repair: bool = False,
-               own_rank: int | None = None) -> dict[int, RankState]:
-    """Read every rank's manifest and reconcile it with the shard files (see the module docstring).
+_ByRank = dict[int, dict[int, str]]
 
-    ``own_rank``: the caller is that rank's writer and already holds its lock; its manifest is
-    rewritten if reconciliation changed it. Other ranks' manifests are rewritten only under ``repair=True``
-    (and only if their writer is gone); without it, their locks are held only while a dead writer's
-    temp files are removed. Returns rank -> :class:`RankState`.
-    """
+
+def _listing(root: Path) -> tuple[_ByRank, _ByRank, dict[int, list[Path]], set[int]]:
+    """What the store's folders hold, by rank: shard files and cut markers (seq -> path relative to
+    the root), temp files (the debris of a writer that died), and the ranks with a manifest. Stale
+    temp files of ``store.json`` are removed on the way."""
     shard_dir = root / SHARD_DIR
     files: dict[int, dict[int, str]] = {}
     cut_files: dict[int, dict[int, str]] = {}
@@ -665,7 +663,19 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                     _remove_debris(Path(entry.path))
             except FileNotFoundError:
                 pass
+    return files, cut_files, tmps, manifests
 
+
+def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreDType, repair: bool = False,
+               own_rank: int | None = None) -> dict[int, RankState]:
+    """Read every rank's manifest and reconcile it with the shard files (see the module docstring).
+
+    ``own_rank``: the caller is that rank's writer and already holds its lock; its manifest is
+    rewritten if reconciliation changed it. Other ranks' manifests are rewritten only under ``repair=True``
+    (and only if their writer is gone); without it, their locks are held only while a dead writer's
+    temp files are removed. Returns rank -> :class:`RankState`.
+    """
+    files, cut_files, tmps, manifests = _listing(root)
     states: dict[int, RankState] = {}
     for rank in sorted(set(files) | manifests | set(tmps) | set(cut_files)):
         if rank != own_rank and not repair:
