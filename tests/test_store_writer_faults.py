@@ -90,7 +90,7 @@ def test_truncate_failing_at_its_cut_marker_changes_nothing_and_its_retry_drops_
     store = GradientStore.open(path)
     assert sorted(set(store.steps.tolist())) == [0, 1, 2] and store.num_rows == 3 * ROWS
     assert sorted(p.name for p in (path / "shards").iterdir()) == \
-        ["r00000-00000000.h5", "r00000-00000001.h5", "r00000-00000003.cut.json"]
+        ["r00000-00000000.h5", "r00000-00000001.h5", "r00000-00000004.cut.json"]    # seq 3: the failed try's
     assert all((path / "shards" / name).read_bytes() == data for name, data in written.items()
                if (path / "shards" / name).exists())     # the shard the cut runs through is not rewritten
     # the resumed run replays steps 3-5: stored once, none mistaken for a duplicate
@@ -102,6 +102,37 @@ def test_truncate_failing_at_its_cut_marker_changes_nothing_and_its_retry_drops_
     keys = keys_of(store)
     assert len(keys) == len(set(keys)) == 6 * ROWS
     assert sorted(set(store.steps.tolist())) == list(range(6)) and tmp_files(path) == []
+
+
+def test_a_cut_marker_renamed_into_place_before_its_write_failed_keeps_its_seq(tmp_path, monkeypatch):
+    """The marker's folder fsync failed after its rename: the marker is on disk though truncate_after
+    raised. Its seq was taken first, so the retry's marker and the replayed steps' shard come after it
+    (never beside it at the same seq, where the replayed rows would be read as cut)."""
+    from olmo_tda.store import cuts as cuts_module
+
+    path = tmp_path / "s"
+    w = write_steps(path, range(6))                      # shards 0-2, steps 0-1, 2-3, 4-5
+    real = cuts_module.write_json_atomic
+
+    def renamed_then_failed(*args, **kwargs):
+        real(*args, **kwargs)
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(cuts_module, "write_json_atomic", renamed_then_failed)
+    with pytest.raises(StoreWriteError, match=r"truncate.*failed.*Input/output error"):
+        w.truncate_after(2)
+    monkeypatch.undo()
+    assert (path / "shards" / "r00000-00000003.cut.json").exists()
+    assert w.truncate_after(2) == 3 * ROWS                # the retry: its own marker, seq 4
+    for step in range(3, 6):
+        w.append(worker.make_record(step))
+    w.close()
+    assert w.stats["rows_skipped_duplicate"] == 0
+    assert sorted(p.name for p in (path / "shards").iterdir()) == [
+        "r00000-00000000.h5", "r00000-00000001.h5", "r00000-00000003.cut.json", "r00000-00000004.cut.json",
+        "r00000-00000005.h5", "r00000-00000006.h5"]
+    store = GradientStore.open(path)
+    keys = keys_of(store)
+    assert len(keys) == len(set(keys)) == 6 * ROWS and sorted(set(store.steps.tolist())) == list(range(6))
 
 
 def test_truncate_failing_after_its_cut_marker_keeps_the_cut_and_its_retry_converges(tmp_path, monkeypatch):
@@ -302,6 +333,36 @@ def test_a_resume_refuses_another_runs_store_that_holds_rows(tmp_path, caplog):
         new.check_resume(theirs, 1)                                               # empty: continues, said
         assert f"stored its gradients in {tmp_path / 'theirs'}" in caplog.text
     new.close()
+
+
+def test_a_resume_on_more_ranks_rereads_the_others_cuts_so_no_replayed_row_looks_a_duplicate(tmp_path,
+                                                                                              monkeypatch):
+    """Resumed on more ranks, a rank replays ids another rank held at steps that rank has cut since
+    this rank's writer opened: after the resume's cut every rank re-reads the others, so the replayed
+    rows are stored, not skipped as duplicates of rows a cut voided."""
+    from olmo_tda.integrations import capture_store
+    from olmo_tda.integrations.capture_store import cut_departed_ranks
+
+    path = tmp_path / "s"
+    for rank in (0, 1):                                   # the old run: 2 ranks, steps 0-5
+        with GradientStore.create(path, worker.META, StoreConfig(flush_every=6), rank=rank) as w:
+            for step in range(6):
+                w.append(worker.make_record(step, ids=[10 * step + rank]))
+    writers = [GradientStore.create(path, worker.META, StoreConfig(flush_every=1), rank=r) for r in range(3)]
+    for w in writers:                                     # the resume on 3 ranks from step 2: each opened,
+        w.truncate_after(2)                               # then each cuts its own rows
+    monkeypatch.setattr(capture_store, "_group", lambda: (True, 0, 3))
+    monkeypatch.setattr(capture_store, "decided_on_rank0", lambda decide, catch=Exception: decide())
+    for w in writers:
+        cut_departed_ranks(w, 2)
+    for step in range(3, 6):                              # rank 2 now trains the ids rank 1 had
+        writers[2].append(worker.make_record(step, ids=[10 * step + 1]))
+    for w in writers:
+        w.close()
+    assert writers[2].stats["rows_skipped_duplicate"] == 0
+    keys = keys_of(GradientStore.open(path))
+    assert len(keys) == len(set(keys))
+    assert sorted(k for k in keys if k[1] >= 3) == [(10 * s + 1, s) for s in range(3, 6)]
 
 
 def test_a_resume_on_fewer_ranks_cuts_the_departed_ranks_rows_too(tmp_path):

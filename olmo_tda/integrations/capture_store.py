@@ -152,16 +152,24 @@ class CaptureStore:
 def cut_departed_ranks(store: Any, step: int) -> None:
     """On resume, after each rank's own ``truncate_after(step)``: drop the rows after ``step`` that
     ranks this run does not have wrote (a run resumed on fewer ranks), then have every rank re-read
-    the others' shards. Rank 0 cuts; every rank gets its outcome, so all raise or all go on."""
+    the others' shards and cuts. Rank 0 cuts; every rank gets its outcome, so all raise or all go on.
+
+    The re-read happens whenever there are several ranks, after all of them have cut their own rows:
+    each writer opened before the others cut, and a run resumed on another number of ranks hands a
+    rank ids another rank held at the steps it replays; read as they were at open, that rank's rows
+    cut since would make the replayed rows look like duplicates, and they would be skipped."""
     world = _group()[2]
-    if not store.departed_after(step, world):       # the same answer on every rank: nothing to do
-        return
-    try:
-        decided_on_rank0(lambda: store.truncate_departed(step, world))
-    except Exception as e:  # noqa: BLE001 - named in the error every rank raises
-        raise StoreError(f"resuming on {world} ranks: cutting back the rows of the ranks this run does not have "
-                         f"failed: {type(e).__name__}: {e}") from e
-    store.rescan_others()
+    departed = store.departed_after(step, world)    # the same answer on every rank
+    if departed:
+        try:
+            decided_on_rank0(lambda: store.truncate_departed(step, world))
+        except Exception as e:  # noqa: BLE001 - named in the error every rank raises
+            raise StoreError(f"resuming on {world} ranks: cutting back the rows of the ranks this run does not "
+                             f"have failed: {type(e).__name__}: {e}") from e
+    elif world > 1:
+        decided_on_rank0(lambda: None)      # every rank's own cut is done before any re-reads the others
+    if departed or world > 1:
+        store.rescan_others()
 
 
 def resume_state(store: Any) -> dict[str, Any]:

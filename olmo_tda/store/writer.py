@@ -656,6 +656,8 @@ class StoreWriter:
                 else:
                     cut.shards[info.seq] = live
         seq = state.next_seq
+        with self._mutex:   # taken first: a marker renamed into place before a failure keeps its seq
+            state.next_seq = seq + 1
         write_cut(self.path, self.rank, seq, step)     # from here on the cut holds
         cut.next_seq, cut.cuts[seq] = seq + 1, int(step)
         cut.truncations.append(int(step))
