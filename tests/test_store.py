@@ -1010,6 +1010,33 @@ def test_a_damaged_shard_of_another_rank_is_named_when_a_replayed_step_needs_its
     assert "repair=True" in message
 
 
+def test_voided_shards_go_only_after_the_manifest_that_drops_them_and_a_gone_one_is_not_missing(
+        tmp_path, zygote, monkeypatch):
+    """Killed right after its cut marker, a rank's manifest still lists the shards the cut voided. Its
+    next writer drops them and removes their files only once its manifest no longer names them: an
+    open that failed in between leaves the files, and a listed shard whose file is gone is no error
+    when a cut voids it whole. A shard whose file changed size is re-read with its cut applied."""
+    path = tmp_path / "s"
+    pid = zygote.start("append_loop", path=str(path), start_step=0, flush_every=2, max_steps=10)
+    zygote.read(lambda m: m.get("pid") == pid and m.get("event") == "closed")
+    assert zygote.wait_exit(pid) == 0
+    pid = zygote.start("truncate_crash", path=str(path), step=4, at="cut")    # voids shards 3, 4 (steps 6-9)
+    assert os.WIFSIGNALED(zygote.wait_exit(pid))
+    shard = lambda seq: path / "shards" / f"r00000-{seq:08d}.h5"              # noqa: E731
+    monkeypatch.setattr(manifest_module, "write_manifest", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    with pytest.raises(StoreError, match="cannot rewrite .*manifest-r00000.json"):
+        GradientStore.create(path, META, StoreConfig())
+    monkeypatch.undo()
+    assert shard(3).exists() and shard(4).exists()                            # still named by the manifest
+    shard(3).unlink()                                                          # gone, but void: no error
+    assert check_worker_rows(GradientStore.open(path)) == set(range(5))
+    with open(shard(2), "ab") as f:                                           # steps 4-5, cut through
+        f.write(b"\0" * 64)
+    assert check_worker_rows(GradientStore.open(path)) == set(range(5))       # re-read, its cut kept
+    GradientStore.create(path, META, StoreConfig()).close()
+    assert not shard(4).exists() and check_worker_rows(GradientStore.open(path)) == set(range(5))
+
+
 def test_a_damaged_cut_marker_or_cuts_entry_is_refused_by_name_never_ignored(tmp_path):
     """A cut marker voids an abandoned run's rows: one that cannot be read must not be skipped (its
     rows would come back), so every open refuses it, naming the file; a manifest's ``cuts`` that is
@@ -1025,8 +1052,8 @@ def test_a_damaged_cut_marker_or_cuts_entry_is_refused_by_name_never_ignored(tmp
     assert check_worker_rows(GradientStore.open(path)) == set(range(6))
     manifest = path / "manifest-r00000.json"
     data = json.loads(manifest.read_text())
-    assert data["cuts"] == {"1": 5} and data["shards"][0]["cut"] == 5 and data["shards"][0]["stored_rows"] == \
-        10 * worker.ROWS_PER_STEP
+    assert data["format_version"] == 3 and data["cuts"] == {"1": 5}        # refused by readers of version 2
+    assert data["recent_shards"][0]["cut"] == 5 and data["recent_shards"][0]["stored_rows"] == 10 * worker.ROWS_PER_STEP
     del data["cuts"]                                   # the manifest lost the cut: the marker still holds
     manifest.write_text(json.dumps(data))
     assert check_worker_rows(GradientStore.open(path)) == set(range(6))

@@ -163,8 +163,8 @@ REBUILT = "rebuilding unreadable manifest"
      r"manifest-r00000.json is damaged: segments\[0\] covers a shard recent_shards lists", REBUILT),
     (lambda p: _edit(p, "manifest-r00000.json", lambda d: {**d, "format_version": 1}),
      r"manifest-r00000.json is damaged: shards must be a list", REBUILT),
-    (lambda p: _edit(p, "manifest-r00000.json", lambda d: {**d, "segments": []}),
-     r"manifest-r00000.json is damaged: segments must be a non-empty list", REBUILT),
+    (lambda p: _edit(p, "manifest-r00000.json", lambda d: {**d, "segments": {}}),
+     r"manifest-r00000.json is damaged: segments must be a list", REBUILT),
 ])
 def test_a_damaged_or_missing_segment_is_a_corrupt_error_naming_it_and_repair_rebuilds_the_index(
         tmp_path, damage, says, repaired):
@@ -200,9 +200,9 @@ def test_a_manifest_of_a_newer_format_is_refused_not_repaired(tmp_path):
     path = tmp_path / "s"
     with GradientStore.create(path, META, StoreConfig(flush_every=1)) as w:
         w.append(random_records([0])[0])
-    _edit(path, "manifest-r00000.json", lambda d: {**d, "format_version": 3})
+    _edit(path, "manifest-r00000.json", lambda d: {**d, "format_version": 4})
     for repair in (False, True):
-        with pytest.raises(StoreError, match="format_version 3, newer than this olmo_tda reads .*upgrade"):
+        with pytest.raises(StoreError, match="format_version 4, newer than this olmo_tda reads .*upgrade"):
             GradientStore.open(path, repair=repair)
 
 

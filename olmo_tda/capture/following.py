@@ -264,11 +264,11 @@ class BasisFollower:
     def state_dict(self) -> dict[str, Any]:
         return {"versions": [[s, d] for s, d in self.versions]}
 
-    def load_state_dict(self, state: dict[str, Any] | None, step: int, stored: list[str] = ()) -> None:
-        """Resume after ``step`` (the store already cut back to it): keep the versions in force up to
-        ``step + 1`` and project with the last; the files of later versions are removed (a resume that
-        cuts the store back cuts its bases back). A missing file of a kept version, or of a version
-        that ``stored`` rows (the store's, after the cut) were projected with, is refused, naming it."""
+    def check_resume(self, state: dict[str, Any] | None, step: int, stored: list[str] = ()) -> list[tuple[int, str]]:
+        """The versions a resume after ``step`` keeps (those in force up to ``step + 1``), or
+        :class:`EigenBasisError` when a kept version's file, or that of a version ``stored`` rows were
+        projected with, is missing, or when those rows name a version the checkpoint does not list.
+        Changes nothing: a resume calls it before anything is cut, and again after."""
         versions = [(int(s), str(d)) for s, d in (state or {}).get("versions", [])]
         kept = [(s, d) for s, d in versions if s <= step + 1] or [(1, self.current.digest)]
         for digest in dict.fromkeys([*stored, *(d for _, d in kept)]):
@@ -281,6 +281,14 @@ class BasisFollower:
             raise EigenBasisError(f"resuming after step {step}: the store holds rows of eigenbasis version(s) "
                                   f"{', '.join(d[:16] for d in unknown)} that the checkpoint does not list (rows of "
                                   "another run, or a checkpoint of another run)")
+        return kept
+
+    def load_state_dict(self, state: dict[str, Any] | None, step: int, stored: list[str] = ()) -> None:
+        """Resume after ``step`` (the store already cut back to it): keep the versions in force up to
+        ``step + 1`` and project with the last; the files of later versions are removed (a resume that
+        cuts the store back cuts its bases back). A missing file of a kept version, or of a version
+        that ``stored`` rows (the store's, after the cut) were projected with, is refused, naming it."""
+        kept = self.check_resume(state, step, stored)
         self.versions = kept
         self.capture.use_basis(EigenBasis.open(self.folder / f"{kept[-1][1]}.safetensors"))
         if self.writer:

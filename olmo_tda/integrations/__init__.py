@@ -15,8 +15,8 @@ import os
 import sys
 from typing import Any, Callable, Iterator, NoReturn
 
-__all__ = ["closed_on_error", "decided_on_rank0", "end_failed_rank", "one_of_several_ranks", "quiet_olmo_warnings",
-           "sum_and_max_over_ranks", "sum_over_ranks", "torchrun_restart_warning"]
+__all__ = ["closed_on_error", "decided_on_rank0", "done_on_every_rank", "end_failed_rank", "one_of_several_ranks",
+           "quiet_olmo_warnings", "sum_and_max_over_ranks", "sum_over_ranks", "torchrun_restart_warning"]
 
 
 def one_of_several_ranks() -> bool:
@@ -99,6 +99,32 @@ def decided_on_rank0(decide: Callable[[], Any], catch: type[BaseException] | tup
     if outcome[1] is not None:
         raise outcome[1]
     return outcome[0]
+
+
+def done_on_every_rank(act: Callable[[], Any], catch: type[BaseException] | tuple = Exception) -> Any:
+    """``act()`` on every rank, then one all-gather of the outcomes: no rank returns before every rank
+    has finished (a barrier carrying the errors; a broadcast from rank 0 would not wait for the
+    others), and if any rank's ``act`` raised one of the ``catch`` types, every rank raises: that rank
+    its error, the others a :class:`~olmo_tda.errors.TDAError` naming it. Returns ``act()``'s result."""
+    from ..errors import TDAError
+
+    group, _, world = _group()
+    result, error = None, None
+    try:
+        result = act()
+    except catch as e:
+        error = e
+    if group and world > 1:
+        import torch.distributed as dist
+
+        outcomes: list[Any] = [None] * world
+        dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(rank, text) for rank, text in enumerate(outcomes) if text is not None]
+        if failed and error is None:
+            raise TDAError("; ".join(f"rank {rank} failed: {text}" for rank, text in failed))
+    if error is not None:
+        raise error
+    return result
 
 
 def _picklable(value: Any) -> bool:

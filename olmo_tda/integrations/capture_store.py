@@ -28,7 +28,7 @@ from ..config import ConfigError, StoreConfig
 from ..store import GradientRecord, GradientStore, StoreError
 from ..store.format import BASES_DIR
 from ..training.metrics import capture_numbers
-from . import _group, decided_on_rank0
+from . import _group, decided_on_rank0, done_on_every_rank
 
 __all__ = ["CaptureStore", "check_rows_continue", "cut_departed_ranks", "resume_state"]
 
@@ -109,15 +109,22 @@ class CaptureStore:
             state["basis"] = self.follower.state_dict()
         return state
 
-    def check_resume(self, saved: Mapping[str, Any] | None, step: int) -> None:
+    def check_resume(self, saved: Mapping[str, Any] | None, step: int, *, new_timeline: bool = False) -> None:
         """Before any part of a resume from the checkpoint of ``step`` changes anything: refuse other
-        projectors than its store's, another run's store, and a checkpoint of an abandoned run."""
+        projectors than its store's, another run's store, a checkpoint of an abandoned run, and a
+        following basis whose versions the rows kept need are missing or unlisted."""
         saved = dict(saved) if saved is not None else None
         if saved is not None and saved.get("projector_hash") != self.capture.projector_hash:
             raise ConfigError(f"tda.capture: resuming with projectors {self.capture.projector_hash}, but the "
                               f"checkpoint's store used {saved.get('projector_hash')}; keep tda.capture as it was")
         self.store.check_resume(saved, step)
         check_rows_continue(self.store, saved, step)
+        if self.follower is not None:
+            try:
+                self.follower.check_resume(None if new_timeline else (saved or {}).get("basis"), step,
+                                           stored=self.store.bases_up_to(step))
+            except EigenBasisError as e:
+                raise ConfigError(f"tda.capture.basis_every: {e}") from None
 
     def resume(self, saved: Mapping[str, Any] | None, step: int, *, new_timeline: bool = False) -> None:
         """Go on from the checkpoint of ``step`` (``saved``: its :meth:`state_dict`; ``new_timeline``:
@@ -125,7 +132,7 @@ class CaptureStore:
         (they will be re-run), and keep a following basis's versions in force up to it."""
         saved = {} if saved is None or new_timeline else saved
         self.run_rows = int(saved.get("rows_captured", saved.get("rows_captured_run", 0)))
-        dropped = self.store.truncate_after(step)
+        dropped = done_on_every_rank(lambda: self.store.truncate_after(step))  # all raise alike, once all cut
         if dropped:
             log.info("tda: dropped %d of this rank's stored rows past step %d (they will be re-run)", dropped, step)
         cut_departed_ranks(self.store, step)     # resumed on fewer ranks: the others' later rows too
@@ -154,10 +161,11 @@ def cut_departed_ranks(store: Any, step: int) -> None:
     ranks this run does not have wrote (a run resumed on fewer ranks), then have every rank re-read
     the others' shards and cuts. Rank 0 cuts; every rank gets its outcome, so all raise or all go on.
 
-    The re-read happens whenever there are several ranks, after all of them have cut their own rows:
-    each writer opened before the others cut, and a run resumed on another number of ranks hands a
-    rank ids another rank held at the steps it replays; read as they were at open, that rank's rows
-    cut since would make the replayed rows look like duplicates, and they would be skipped."""
+    Call it once every rank has cut its own rows (:meth:`CaptureStore.resume` waits for that). The
+    re-read happens whenever there are several ranks: each writer opened before the others cut, and a
+    run resumed on another number of ranks hands a rank ids another rank held at the steps it
+    replays; read as they were at open, that rank's rows cut since would make the replayed rows look
+    like duplicates, and they would be skipped."""
     world = _group()[2]
     departed = store.departed_after(step, world)    # the same answer on every rank
     if departed:
@@ -166,8 +174,6 @@ def cut_departed_ranks(store: Any, step: int) -> None:
         except Exception as e:  # noqa: BLE001 - named in the error every rank raises
             raise StoreError(f"resuming on {world} ranks: cutting back the rows of the ranks this run does not "
                              f"have failed: {type(e).__name__}: {e}") from e
-    elif world > 1:
-        decided_on_rank0(lambda: None)      # every rank's own cut is done before any re-reads the others
     if departed or world > 1:
         store.rescan_others()
 

@@ -395,13 +395,13 @@ class TDATrainer(Trainer):
         saved = state_dict.get("tda")
         if saved is not None and "tda_basis" in state_dict:     # a checkpoint that kept the basis beside it
             saved = {**saved, "basis": state_dict["tda_basis"]}
-        if self.capture_store is not None:      # refused before anything on disk is cut back
-            self.capture_store.check_resume(saved, self.global_step)
         # restore_dataloader: false: OLMo restarts the step count and the data at 0 (the weights only, to
         # train on): a new timeline, as a fresh run's. No selection round of the checkpoint's run applies
         # (OLMoSelection.reapply cuts this run's log to none), the trajectory starts at its first save
         # (dropping any step-0 checkpoint of another timeline), and the row count starts at 0
         new_timeline = not self.cfg.restore_dataloader
+        if self.capture_store is not None:      # refused before anything on disk is cut back
+            self.capture_store.check_resume(saved, self.global_step, new_timeline=new_timeline)
         if self.selection is not None and not new_timeline:
             self.selection.load_state_dict(state_dict.get("tda_selection"))
         elif not new_timeline and (state_dict.get("tda_selection") or {}).get("rounds"):

@@ -103,14 +103,17 @@ SEAL_SHARDS = 256
 """Shards per sealed segment: a rank's manifest lists fewer than this many shards past its last
 segment (~40 KB) plus one line per segment, so a flush's rewrite stays that size at any run length."""
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 """1: every shard in the manifest (``shards``); 2: the newest in ``recent_shards``, older ones in the
 segments it names, and ``shards`` a string an olmo_tda that reads only version 1 (and does not check
-the version) refuses with it, instead of adopting every sealed shard as unlisted. Version 1 is still
-read, and written while a rank has no segment."""
+the version) refuses with it, instead of adopting every sealed shard as unlisted; 3: as 2, with cut
+markers (``cuts``, and entries whose ``num_rows`` count live rows only, fewer than the file holds),
+which an olmo_tda that reads version 2 refuses instead of reading voided rows (or a repair by it
+bringing them back). Versions 1 and 2 are still read, and written while a rank has no cut (and no
+segment, for 1)."""
 
-_V2_SHARDS = ("this manifest's shards are in recent_shards and the index/ segments it names (format_version 2, "
-              "olmo_tda >= 0.2.0): upgrade olmo_tda to open this store")
+_V2_SHARDS = ("this manifest's shards are in recent_shards and the index/ segments it names (format_version 2 "
+              "or later): upgrade olmo_tda to open this store")
 
 
 @dataclass(frozen=True)
@@ -159,12 +162,13 @@ class RankState:
     def to_json(self, listed: list[int] | None = None) -> dict[str, Any]:
         """The manifest: ``listed`` shards (default all) and the segments, which hold the others."""
         listed = sorted(self.shards) if listed is None else listed
-        out = {"format": FORMAT_NAME + ".manifest", "format_version": MANIFEST_VERSION if self.segments else 1,
+        version = 3 if self.cuts else 2 if self.segments else 1
+        out = {"format": FORMAT_NAME + ".manifest", "format_version": version,
                "rank": self.rank, "next_seq": self.next_seq, "counters": dict(self.counters),
                "truncations": list(self.truncations), "log_id": self.log_id,
                "truncating": bool(self.truncating), "cuts": {str(seq): step for seq, step in sorted(self.cuts.items())}}
         entries = [self.shards[s].to_json() for s in listed]
-        if self.segments:
+        if version >= 2:
             out.update(shards=_V2_SHARDS, recent_shards=entries,
                        segments=[segment.to_json() for segment in self.segments])
         else:
@@ -276,8 +280,9 @@ def _parse_manifest(data: Any, rank: int, path: Path, root: Path) -> RankState:
     if version < 2 and "segments" in data:
         raise damaged("segments", f"must be absent from a format_version {version} manifest")
     segments = data.get("segments", [])
-    if not isinstance(segments, list) or (version >= 2 and not segments):
-        raise damaged("segments", f"must be a non-empty list in format_version {version}, got {segments!r}")
+    if not isinstance(segments, list) or (version == 2 and not segments):
+        raise damaged("segments", f"must be a {'non-empty ' if version == 2 else ''}list in format_version "
+                      f"{version}, got {segments!r}")
     last, listed = -1, sorted(state.shards)
     for i, ref in enumerate(segments):
         where = f"segments[{i}]"
@@ -490,10 +495,11 @@ def _quarantine(root: Path, rel: str, reason: str) -> None:
 
 def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, layer_shapes, dtype,
                     repair: bool, may_modify: bool, check_sizes: bool = True,
-                    cut_files: dict[int, str] | None = None) -> bool:
+                    cut_files: dict[int, str] | None = None, void: list[str] | None = None) -> bool:
     """Make ``state`` agree with the files in ``on_disk`` (seq -> rel path) and the cut markers in
     ``cut_files`` (seq -> rel path). Returns True if changed. ``check_sizes=False``: a listed shard
-    found on disk is taken as listed, without a stat."""
+    found on disk is taken as listed, without a stat. ``void`` collects the files of shards a cut
+    voided wholly, for the caller to remove once the manifest that drops them is written."""
     changed = False
     on_disk = dict(on_disk)
     for seq, rel in sorted((cut_files or {}).items()):
@@ -509,8 +515,8 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
         if step is None or info.step_max <= step:
             return info
         live = apply_cut(root, info, step)
-        if live is None and may_modify:
-            _remove_void(root, info.file)
+        if live is None and may_modify and void is not None:
+            void.append(info.file)
         return live
 
     def unreadable(rel: str, exc: StoreCorruptError) -> None:
@@ -529,6 +535,13 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
     root_text = os.fspath(root)
     for seq, info in sorted(state.shards.items()):
         path = os.path.join(root_text, info.file)     # a str: Path arithmetic was a third of a long open
+        step = cut_of(seq)
+        if step is not None and info.step_min > step:   # void whole: dropped, whether its file is still there
+            del state.shards[seq]
+            if on_disk.pop(seq, None) is not None and may_modify and void is not None:
+                void.append(info.file)
+            changed = True
+            continue
         if seq not in on_disk and os.path.exists(path):
             on_disk[seq] = info.file    # renamed into place after shards/ was listed (a live writer)
         if seq not in on_disk and not may_modify and _unlisted_now(root, state.rank, seq):
@@ -571,14 +584,17 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
             continue
         if size != info.bytes:
             try:
-                fresh = read_shard_info(root, info.file, layer_shapes, dtype)
-            except StoreCorruptError as exc:
-                unreadable(info.file, exc)
-                del state.shards[seq]
-                del on_disk[seq]
+                fresh = cut(read_shard_info(root, info.file, layer_shapes, dtype))
+            except (StoreCorruptError, FileNotFoundError) as exc:
+                if isinstance(exc, StoreCorruptError):
+                    unreadable(info.file, exc)
+                fresh = None
             else:
                 logger.info("gradient store %s: %s changed size since the manifest was written; "
                             "re-indexed from the file", root, info.file)
+            if fresh is None:
+                del state.shards[seq], on_disk[seq]
+            else:
                 state.shards[seq] = fresh
             changed = True
     for seq, rel in sorted(on_disk.items()):
@@ -608,7 +624,7 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
 
 
 def _remove_void(root: Path, rel: str) -> None:
-    """Remove a shard whose every row a cut after it voided (the writer does after the cut's manifest)."""
+    """Remove a shard whose every row a cut after it voided (after the manifest that drops it)."""
     try:
         os.remove(root / rel)
         logger.info("gradient store %s: removed %s, whose rows a cut marker voids", root, rel)
@@ -726,9 +742,10 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                 state = kept
             state = state or RankState(rank=rank)
             written = state.counters["rows_written"]
+            void: list[str] = []
             changed = _reconcile_rank(root, state, files.get(rank, {}), layer_shapes=layer_shapes,
                                       dtype=dtype, repair=repair, may_modify=may_modify,
-                                      cut_files=cut_files.get(rank))
+                                      cut_files=cut_files.get(rank), void=void)
             if kept is not None:
                 # its count holds the re-found shards' rows already (so not one written after it, if any)
                 state.counters["rows_written"] = written
@@ -747,6 +764,8 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                                      f"after reconciling it with the shard files: {describe_os_error(e)}. "
                                      "The manifest on disk is unchanged; the next open reconciles it "
                                      "again") from e
+                for rel in void:        # after the manifest that no longer names them
+                    _remove_void(root, rel)
             if state.shards or rank == own_rank or rank in manifests:
                 states[rank] = state
         finally:

@@ -276,6 +276,13 @@ class StoreWriter:
             infos = sorted(self._state.shards.values(), key=lambda info: info.seq)
         return list(dict.fromkeys(info.basis for info in infos if info.basis is not None))
 
+    def bases_up_to(self, step: int) -> list[str]:
+        """The eigenbasis versions of this rank's rows of steps ``<= step``, those a cut back to ``step``
+        keeps (of a shard the cut runs through, its one version)."""
+        with self._mutex:
+            infos = sorted(self._state.shards.values(), key=lambda info: info.seq)
+        return list(dict.fromkeys(info.basis for info in infos if info.basis is not None and info.step_min <= step))
+
     @property
     def store_id(self) -> str | None:
         """The id ``store.json`` was created with (None for a store made before ids existed)."""
