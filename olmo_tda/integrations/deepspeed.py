@@ -233,7 +233,6 @@ class DeepSpeedTDA:
         self.steps_committed = 0
         self.steps_dropped = 0
         self.rows_captured = 0
-        self._rows_before = 0       # the run's rows before this session's (all ranks), from its checkpoint
         self._batch_info = batch_info
         self._explicit: tuple[Any, float] | None = None
         self._open: contextlib.ExitStack | None = None
@@ -517,7 +516,6 @@ class DeepSpeedTDA:
             self.trajectory.resume(step, (state or {}).get("trajectory"))    # cut); its later checkpoints go
         self.capture_store.resume(state, step)
         self._tokens_seen = int((state or {}).get("tokens_seen", 0))    # what trajectory checkpoints record
-        self._rows_before = self.capture_store.run_rows
         self.metrics_log.cut_after(step)        # its later steps will be run again
         if state is not None:
             self.run_callbacks.load_gathered(state.get("callbacks"), _rank())
@@ -544,9 +542,8 @@ class DeepSpeedTDA:
         rows summed over the ranks and, through checkpoints, over the run's sessions. Collective:
         every rank calls it."""
         numbers = self.metrics()
-        sums = [int(v) for v in sum_over_ranks([numbers["rows_captured"], numbers["rows_skipped_nonfinite"]],
-                                               self.engine.device)]
-        return {**numbers, "rows_captured": self._rows_before + sums[0], "rows_skipped_nonfinite": sums[1]}
+        skipped = sum_over_ranks([numbers["rows_skipped_nonfinite"]], self.engine.device)[0]
+        return {**numbers, "rows_captured": self.capture_store.run_rows, "rows_skipped_nonfinite": int(skipped)}
 
     # -- lifetime ----------------------------------------------------------------------------------
 

@@ -10,15 +10,19 @@ runs through keeps its file and its live rows are those with ``steps <= cut`` (`
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from bisect import bisect_right
 from dataclasses import replace
 from pathlib import Path
 
-from .errors import StoreCorruptError
+from .errors import StoreCorruptError, describe_os_error
 from .format import FORMAT_NAME, SHARD_DIR, ShardInfo, open_h5, write_json_atomic
 
-__all__ = ["apply_cut", "cut_name", "cuts_after", "parse_cut_name", "read_cut", "write_cut"]
+__all__ = ["apply_cut", "cut_name", "cuts_after", "parse_cut_name", "read_cut", "remove_void", "write_cut"]
+
+logger = logging.getLogger(__name__)
 
 _CUT_RE = re.compile(r"^r(\d{5})-(\d{8})\.cut\.json$")
 
@@ -96,3 +100,16 @@ def cuts_after(cuts: dict[int, int]):
         at = bisect_right(seqs, seq)
         return floor[at] if at < len(seqs) else None
     return after
+
+
+def remove_void(root: Path, rel: str) -> None:
+    """Remove shard ``rel``, whose every row a cut voids, once no manifest names it. A failure is only
+    logged: the cut voids its rows for every reader, and the rank's next writer removes it."""
+    try:
+        os.unlink(root / rel)
+        logger.info("gradient store %s: removed %s, whose rows a cut marker voids", root, rel)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("gradient store %s: could not remove %s, whose rows the cut voids (%s); the rank's next "
+                       "writer removes it", root, rel, describe_os_error(e))

@@ -63,7 +63,7 @@ from typing import Any
 from olmo_tda.config import StoreDType
 from olmo_tda.errors import TDAError
 
-from .cuts import apply_cut, cuts_after, parse_cut_name, read_cut
+from .cuts import apply_cut, cuts_after, parse_cut_name, read_cut, remove_void
 from .locks import RankLock
 from .errors import StoreCorruptError, StoreError, describe_os_error
 from .format import (
@@ -623,17 +623,6 @@ def _reconcile_rank(root: Path, state: RankState, on_disk: dict[int, str], *, la
     return changed
 
 
-def _remove_void(root: Path, rel: str) -> None:
-    """Remove a shard whose every row a cut after it voided (after the manifest that drops it)."""
-    try:
-        os.remove(root / rel)
-        logger.info("gradient store %s: removed %s, whose rows a cut marker voids", root, rel)
-    except FileNotFoundError:
-        pass
-    except OSError as e:    # e.g. a read-only mount: harmless, the cut voids its rows for every reader
-        logger.debug("gradient store %s: could not remove %s: %s", root, rel, e)
-
-
 def _unlisted_now(root: Path, rank: int, seq: int) -> bool:
     """Whether rank's manifest, read again now, no longer lists shard ``seq`` (a writer removes a
     shard from its manifest before it deletes the file)."""
@@ -765,7 +754,7 @@ def scan_store(root: Path, *, layer_shapes: list[tuple[int, int]], dtype: StoreD
                                      "The manifest on disk is unchanged; the next open reconciles it "
                                      "again") from e
                 for rel in void:        # after the manifest that no longer names them
-                    _remove_void(root, rel)
+                    remove_void(root, rel)
             if state.shards or rank == own_rank or rank in manifests:
                 states[rank] = state
         finally:

@@ -52,7 +52,7 @@ from .format import (
     words_as_torch,
     write_shard,
 )
-from .cuts import apply_cut, write_cut
+from .cuts import apply_cut, remove_void, write_cut
 from .keys import KeyIndex, StepKeys
 from .locks import RankLock
 from .manifest import RankState, remove_unlisted_segments, scan_store, write_manifest
@@ -272,16 +272,15 @@ class StoreWriter:
     @property
     def bases(self) -> list[str]:
         """Digests of the eigenbasis versions of this rank's shards (see ``GradientStore.bases``)."""
-        with self._mutex:
-            infos = sorted(self._state.shards.values(), key=lambda info: info.seq)
-        return list(dict.fromkeys(info.basis for info in infos if info.basis is not None))
+        return self.bases_up_to(None)
 
-    def bases_up_to(self, step: int) -> list[str]:
-        """The eigenbasis versions of this rank's rows of steps ``<= step``, those a cut back to ``step``
-        keeps (of a shard the cut runs through, its one version)."""
+    def bases_up_to(self, step: int | None) -> list[str]:
+        """The eigenbasis versions of this rank's rows of steps ``<= step`` (None: all), those a cut
+        back to ``step`` keeps (of a shard the cut runs through, its one version)."""
         with self._mutex:
             infos = sorted(self._state.shards.values(), key=lambda info: info.seq)
-        return list(dict.fromkeys(info.basis for info in infos if info.basis is not None and info.step_min <= step))
+        return list(dict.fromkeys(info.basis for info in infos
+                                  if info.basis is not None and (step is None or info.step_min <= step)))
 
     @property
     def store_id(self) -> str | None:
@@ -635,7 +634,7 @@ class StoreWriter:
     def _truncate(self, step: int) -> int:
         """Drop the rows of steps after ``step`` (window and this rank's shards); return how many.
 
-        No shard is rewritten: a cut marker (:func:`~.format.write_cut`, the next seq of the rank) is
+        No shard is rewritten: a cut marker (:func:`~.cuts.write_cut`, the next seq of the rank) is
         made durable first, and from then on every reader voids the rows after ``step`` of the rank's
         earlier shards, whatever happens next. Then the manifest says so (the cut shards' live rows,
         the voided ones gone), and the shards holding no live row are removed. A failure before the
@@ -679,13 +678,7 @@ class StoreWriter:
         write_manifest(self.path, cut)     # a failure here: the next flush or open writes it
         self._manifest_dirty = False
         for info in gone:                   # after the manifest that no longer names them
-            try:
-                (self.path / info.file).unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as e:            # the cut voids its rows anyway; the rank's next open retries
-                logger.warning("gradient store %s: could not remove %s, whose rows the cut voids (%s); the "
-                               "rank's next writer removes it", self.path, info.file, describe_os_error(e))
+            remove_void(self.path, info.file)
         if dropped:
             logger.info("gradient store %s: rank %d cut back after step %d: %d rows dropped",
                         self.path, self.rank, step, dropped)
